@@ -1,0 +1,26 @@
+# Sourced by examples/run.sh and tests/run.sh: installs what a fresh Debian 12 machine lacks
+# (apt-get, once), then configures and builds into ./build.
+distrpc_packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libcereal-dev doctest-dev)
+
+distrpc_install_deps() {
+  local missing=()
+  for p in "${distrpc_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "== installing: ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq || return 1
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || return 1
+}
+
+# distrpc_build DIR [meson options...]: configure once, then build incrementally.
+distrpc_build() {
+  local dir="$1"; shift
+  if [ ! -f "$dir/build.ninja" ]; then
+    meson setup "$dir" "$@" || return 1
+  fi
+  # Two cores and ~1 GiB per libtorch translation unit: -j2 keeps memory and time predictable.
+  ninja -C "$dir" -j "${DISTRPC_JOBS:-2}"
+}

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the flagship example on loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source .ci/deps.sh
+distrpc_install_deps
+distrpc_build build
+echo "== flagship: 4 local processes rendezvous through a TCP store on 127.0.0.1"
+./build/examples/rendezvous --world 4

@@ -1,0 +1,127 @@
+// The Transport concept: what a policy class must provide so Agent<Transport> can move messages.
+//
+// A transport knows nothing of RPC: it moves wire::Message values (a payload plus out-of-band
+// byte buffers) between the processes of one group, identified by integer worker ids. The core
+// (agent, RRefs, modules) only talks to this concept, which is what makes policies pluggable:
+// TCP (transports/tcp), shared memory (transports/shm), composites that pick one per peer, and
+// decorators such as a fault injector all present the same shape.
+#pragma once
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "distrpc/wire/frame.hpp"
+#include "distrpc/wire/message.hpp"
+
+namespace distrpc::transport {
+
+// What every policy's Context is constructed with.
+struct TransportOptions {
+  int self_id = 0;                        // this worker's id (its rank)
+  std::string self_name;                  // this worker's name, carried by the handshake
+  std::string listen_host = "127.0.0.1";  // loopback by default: exposing a port is a choice
+  std::string auth_token;                 // optional shared secret checked at the handshake
+  wire::Limits limits{};                  // frames beyond these are refused / dropped
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds(30)};
+};
+
+// How a Context reports to its owner. Both are called on transport I/O threads: they must be
+// quick and must not block or run user code (the agent only enqueues work or wakes waiters).
+struct TransportCallbacks {
+  // A complete message arrived from worker `peer`.
+  std::function<void(int peer, wire::Message&& message)> on_message;
+  // The connection with worker `peer` broke (EOF, reset, protocol error): `reason` says how.
+  // Called at most once per broken connection; never after Context::shutdown() returned.
+  std::function<void(int peer, const std::string& reason)> on_peer_lost;
+};
+
+// The concept. A policy P provides:
+//   static constexpr std::string_view name;      e.g. "tcp"
+//   static bool viable();                        usable on this machine at all
+//   static std::string domain_key();             peers with equal keys can use P with each other
+//   class Context {                              per-agent state: threads, listener, connections
+//     Context(const TransportOptions&, TransportCallbacks);
+//     std::string address() const;               published in the store for peers to reach us
+//     void add_peer(int id, const std::string& name, const std::string& address);
+//     void send(int peer, wire::Message&& m);    thread-safe; in order per peer; may block for
+//                                                back-pressure; throws DistNetworkError when the
+//                                                peer cannot be reached (naming it)
+//     void shutdown();                           idempotent; joins threads; no callbacks after
+//   };
+template <class P>
+concept Transport =
+    requires {
+      typename P::Context;
+      { P::name } -> std::convertible_to<std::string_view>;
+      { P::viable() } -> std::same_as<bool>;
+      { P::domain_key() } -> std::convertible_to<std::string>;
+    } && std::constructible_from<typename P::Context, const TransportOptions&, TransportCallbacks> &&
+    requires(typename P::Context& ctx, const typename P::Context& cctx, int peer,
+             const std::string& s, wire::Message&& m) {
+      { cctx.address() } -> std::convertible_to<std::string>;
+      ctx.add_peer(peer, s, s);
+      ctx.send(peer, std::move(m));
+      ctx.shutdown();
+    };
+
+namespace detail {
+template <class P>
+concept has_context = requires { typename P::Context; };
+template <class P>
+concept has_name = requires {
+  { P::name } -> std::convertible_to<std::string_view>;
+};
+template <class P>
+concept has_viable = requires {
+  { P::viable() } -> std::same_as<bool>;
+};
+template <class P>
+concept has_domain_key = requires {
+  { P::domain_key() } -> std::convertible_to<std::string>;
+};
+template <class C>
+concept context_has_address = requires(const C& c) {
+  { c.address() } -> std::convertible_to<std::string>;
+};
+template <class C>
+concept context_has_add_peer = requires(C& c, int id, const std::string& s) { c.add_peer(id, s, s); };
+template <class C>
+concept context_has_send = requires(C& c, int id, wire::Message&& m) { c.send(id, std::move(m)); };
+template <class C>
+concept context_has_shutdown = requires(C& c) { c.shutdown(); };
+}  // namespace detail
+
+// Instantiated by Agent<P>: one readable message per missing member instead of a concept dump.
+template <class P>
+constexpr bool check_transport() {
+  static_assert(detail::has_context<P>,
+                "Transport policy: missing nested `class Context` (per-agent state: threads, "
+                "listener, connections)");
+  static_assert(detail::has_name<P>,
+                "Transport policy: missing `static constexpr std::string_view name = \"...\";`");
+  static_assert(detail::has_viable<P>, "Transport policy: missing `static bool viable();`");
+  static_assert(detail::has_domain_key<P>,
+                "Transport policy: missing `static std::string domain_key();`");
+  if constexpr (detail::has_context<P>) {
+    using C = typename P::Context;
+    static_assert(std::constructible_from<C, const TransportOptions&, TransportCallbacks>,
+                  "Transport policy: missing `Context(const TransportOptions&, TransportCallbacks)`");
+    static_assert(detail::context_has_address<C>,
+                  "Transport policy: missing `std::string Context::address() const;`");
+    static_assert(detail::context_has_add_peer<C>,
+                  "Transport policy: missing `void Context::add_peer(int id, const std::string& "
+                  "name, const std::string& address);`");
+    static_assert(detail::context_has_send<C>,
+                  "Transport policy: missing `void Context::send(int peer, wire::Message&&);`");
+    static_assert(detail::context_has_shutdown<C>,
+                  "Transport policy: missing `void Context::shutdown();`");
+  }
+  return Transport<P>;
+}
+
+}  // namespace distrpc::transport

@@ -1,0 +1,5 @@
+// Precompiled header shared by the libtorch test binaries: libtorch's headers dominate build time.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+#include <doctest/doctest.h>
