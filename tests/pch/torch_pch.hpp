@@ -1,5 +1,4 @@
 // Precompiled header shared by the libtorch test binaries: libtorch's headers dominate build time.
-#pragma once
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 #include <doctest/doctest.h>
