@@ -1,0 +1,1190 @@
+// The TCP transport policy: moves wire::Message values between processes over plain TCP, writing
+// tensor bytes straight from their storage and reading them straight into fresh tensors.
+//
+// Connection model (docs/transports.md, "Tcp"): each process opens at most one connection to each
+// peer, lazily on the first send, and SENDS only on the connections it opened; it RECEIVES on those
+// and on the ones its peers opened to it. Two peers that start sending to each other at the same
+// moment therefore open two independent connections instead of racing to agree on one.
+//
+// Threads: the calling thread connects (with retries until connect_timeout), handshakes and writes
+// (a gathered write under a per-connection mutex: no queue, no hand-off, which is what keeps a
+// small call fast). One listener thread accepts and handshakes incoming connections. One I/O thread
+// reads every established connection and runs the callbacks. Handshakes never wait for the I/O
+// thread, so a send made from inside a callback (a reply) cannot deadlock two processes connecting
+// to each other at the same time.
+#pragma once
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <asio/buffer.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/ip/host_name.hpp>
+#include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
+#include <asio/read.hpp>
+#include <asio/steady_timer.hpp>
+#include <asio/write.hpp>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "distrpc/error.hpp"
+#include "distrpc/transport/transport.hpp"
+#include "distrpc/wire/errors.hpp"
+#include "distrpc/wire/frame.hpp"
+#include "distrpc/wire/handshake.hpp"
+#include "distrpc/wire/message.hpp"
+
+namespace distrpc::transport {
+
+struct Tcp {
+  static constexpr std::string_view name = "tcp";
+  // Loopback TCP exists wherever this builds.
+  static bool viable() { return true; }
+  // TCP reaches every host, so every peer shares one domain.
+  static std::string domain_key() { return "tcp"; }
+  class Context;
+};
+
+namespace tcp_detail {
+
+using Clock = std::chrono::steady_clock;
+
+// Bytes read per receive into a connection's buffer; several small frames fit in one read.
+inline constexpr std::size_t kReadBufferBytes = 64 * 1024;
+// A body with at least this much still to come is read straight into its tensors, not via the
+// buffer.
+inline constexpr std::size_t kDirectReadBytes = 32 * 1024;
+// A direct read may take this much per syscall (Asio's default is 64 KiB).
+inline constexpr std::size_t kDirectReadChunk = std::size_t{16} << 20;
+// Receive buffers at least this large are pre-faulted in bulk before the read (see prefault()).
+inline constexpr std::size_t kPrefaultBytes = std::size_t{1} << 20;
+// MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name, older kernels return EINVAL.
+inline constexpr int kMadvPopulateWrite = 23;
+// A handshake frame is a Hello: name and token are bounded by the wire layer, so this is ample.
+inline constexpr std::uint64_t kMaxHelloFrameBytes = 8 * 1024;
+// Blocking waits on the calling thread wake this often to notice shutdown().
+inline constexpr int kPollSliceMs = 50;
+// Keepalive notices a peer whose host vanished (no reset ever comes): about 45 s.
+inline constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 3;
+
+inline std::string errno_text(int err) {
+  return std::system_category().message(err);
+}
+
+// Handshake frames are refused beyond these before anything is allocated: an unauthenticated
+// connection must not make us reserve the limits meant for data.
+inline wire::Limits hello_limits() {
+  wire::Limits l;
+  l.max_payload_bytes = kMaxHelloFrameBytes;
+  l.max_buffers = 0;
+  l.max_message_bytes = kMaxHelloFrameBytes;
+  return l;
+}
+
+struct HostPort {
+  std::string host;
+  std::string port;
+};
+
+// "host:port" or "[v6-address]:port" (what address() publishes). Throws naming the address.
+inline HostPort split_host_port(const std::string& address) {
+  const auto bad = [&](const char* why) {
+    return DistNetworkError("distrpc tcp: bad address '" + address + "': " + why +
+                            " (expected host:port or [ipv6]:port)");
+  };
+  HostPort hp;
+  if (!address.empty() && address.front() == '[') {
+    const auto close = address.find(']');
+    if (close == std::string::npos || close + 1 >= address.size() || address[close + 1] != ':') {
+      throw bad("unterminated [ipv6] part or no port");
+    }
+    hp.host = address.substr(1, close - 1);
+    hp.port = address.substr(close + 2);
+  } else {
+    const auto colon = address.rfind(':');
+    if (colon == std::string::npos) throw bad("no port");
+    hp.host = address.substr(0, colon);
+    hp.port = address.substr(colon + 1);
+    if (hp.host.find(':') != std::string::npos) throw bad("an IPv6 address needs brackets");
+  }
+  if (hp.host.empty()) throw bad("empty host");
+  if (hp.port.empty() || hp.port.size() > 5 ||
+      !std::all_of(hp.port.begin(), hp.port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      std::stoi(hp.port) == 0 || std::stoi(hp.port) > 65535) {
+    throw bad("the port is not a number in 1..65535");
+  }
+  return hp;
+}
+
+inline std::string join_host_port(const std::string& host, unsigned port) {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+inline std::string endpoint_text(const asio::ip::tcp::endpoint& ep) {
+  return join_host_port(ep.address().to_string(), ep.port());
+}
+
+// Latency first (no Nagle delay on small frames), and keepalive so a vanished host is noticed.
+inline void tune_socket(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &kKeepIdleS, sizeof kKeepIdleS);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &kKeepIntervalS, sizeof kKeepIntervalS);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &kKeepCount, sizeof kKeepCount);
+}
+
+// A fresh tensor's pages are faulted in one at a time while recv() copies into them, and a fault
+// is costly (on the VMs measured, 64 MiB took 378 ms of first-touch faults against 11 ms when
+// populated in bulk with transparent huge pages). Both calls are advice: failure changes nothing.
+inline void prefault(void* data, std::size_t size) {
+  if (size < kPrefaultBytes) return;
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<std::uintptr_t>(data) + page - 1) & ~(page - 1);
+  const auto end = (reinterpret_cast<std::uintptr_t>(data) + size) & ~(page - 1);
+  if (end <= begin) return;
+  void* p = reinterpret_cast<void*>(begin);
+  ::madvise(p, end - begin, MADV_HUGEPAGE);
+  ::madvise(p, end - begin, kMadvPopulateWrite);
+}
+
+inline void log_drop(const std::string& remote, const std::string& reason) {
+  std::fprintf(stderr, "distrpc tcp: dropping connection from %s: %s\n", remote.c_str(),
+               reason.c_str());
+}
+
+// Waits until `fd` is ready for `events`. 0 when ready (or hung up: the next call says how),
+// ETIMEDOUT past `deadline`, ECANCELED once `stopping` is set, else errno.
+inline int wait_fd(int fd, short events, std::optional<Clock::time_point> deadline,
+                   const std::atomic<bool>& stopping) {
+  for (;;) {
+    if (stopping.load(std::memory_order_relaxed)) return ECANCELED;
+    int slice = kPollSliceMs;
+    if (deadline) {
+      const auto now = Clock::now();
+      if (now >= *deadline) return ETIMEDOUT;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - now).count() + 1;
+      slice = static_cast<int>(std::min<long long>(slice, left));
+    }
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, slice);
+    if (r > 0) return 0;
+    if (r < 0 && errno != EINTR) return errno;
+  }
+}
+
+// Writes every byte of `iov` (consumed in place). The fd may be non-blocking (Asio makes it so for
+// its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.
+inline int write_all(int fd, iovec* iov, std::size_t count,
+                     std::optional<Clock::time_point> deadline, const std::atomic<bool>& stopping) {
+  while (count > 0 && iov->iov_len == 0) {
+    ++iov;
+    --count;
+  }
+  while (count > 0) {
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = std::min<std::size_t>(count, IOV_MAX);
+    const ssize_t n = ::sendmsg(fd, &mh, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (const int err = wait_fd(fd, POLLOUT, deadline, stopping)) return err;
+        continue;
+      }
+      return errno;
+    }
+    auto left = static_cast<std::size_t>(n);
+    while (count > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+inline constexpr int kEndOfStream = -1;
+
+// Reads exactly `n` bytes: 0, kEndOfStream when the peer closed first, or an errno value.
+inline int read_exact(int fd, char* buf, std::size_t n, Clock::time_point deadline,
+                      const std::atomic<bool>& stopping) {
+  std::size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::recv(fd, buf + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return kEndOfStream;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (const int err = wait_fd(fd, POLLIN, deadline, stopping)) return err;
+      continue;
+    }
+    return errno;
+  }
+  return 0;
+}
+
+// Closes an fd on scope exit unless released: the connect path has many ways out.
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) : fd_(fd) {}
+  ~FdGuard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// One established (handshaken) TCP connection, in either direction.
+//
+// Its fd is written by sending threads (raw sendmsg, under write_mu) and read by the I/O thread
+// (Asio). It is closed only on the I/O thread, or by shutdown() once that thread has stopped, and
+// only while holding write_mu, so a writer never touches a closed (possibly reused) fd;
+// ::shutdown() first, so a writer blocked on a full socket wakes at once instead of holding
+// write_mu.
+struct Connection {
+  explicit Connection(asio::io_context& io) : socket(io) {}
+
+  asio::ip::tcp::socket socket;
+  int fd = -1;
+  bool outgoing = false;
+  int peer = -1;
+  std::string peer_name;
+  std::string remote;  // "host:port" of the other end, for logs and errors
+
+  std::mutex write_mu;              // one frame at a time: frames never interleave
+  std::string header_scratch;       // under write_mu: reused so a send allocates nothing
+  std::atomic<bool> closed{false};  // set holding write_mu and close_mu
+  std::mutex close_mu;              // orders ::shutdown(fd) against close(fd)
+  std::mutex failure_mu;
+  std::string failure;  // why a writer broke the connection, reported instead of the bare EOF
+
+  // Receive state, touched only on the I/O thread.
+  std::unique_ptr<char[]> rbuf;
+  std::size_t rbeg = 0, rend = 0;
+  std::optional<wire::FrameDecoder> decoder;
+  std::size_t header_bytes = 0;  // of the frame being read
+  bool in_body = false;
+  wire::Message msg;
+  std::size_t seg = 0, seg_off = 0;  // segment 0 is the payload, segment i > 0 is buffer i - 1
+  std::uint64_t body_total = 0, body_received = 0;
+  std::vector<asio::mutable_buffer> direct;  // live while a direct read is in flight
+
+  std::string describe() const {
+    return "worker " + std::to_string(peer) + " ('" + peer_name + "') at " + remote;
+  }
+  void record_failure(const std::string& why) {
+    std::lock_guard<std::mutex> lk(failure_mu);
+    if (failure.empty()) failure = why;
+  }
+  std::string recorded_failure() {
+    std::lock_guard<std::mutex> lk(failure_mu);
+    return failure;
+  }
+  // Wakes a blocked writer and ends pending reads; the fd stays open until close().
+  void shutdown_fd() {
+    std::lock_guard<std::mutex> lk(close_mu);
+    if (!closed.load()) ::shutdown(fd, SHUT_RDWR);
+  }
+  // True if this call closed it.
+  bool close() {
+    {
+      std::lock_guard<std::mutex> lk(close_mu);
+      if (closed.load()) return false;
+      ::shutdown(fd, SHUT_RDWR);
+    }
+    {
+      std::scoped_lock lk(write_mu, close_mu);
+      closed.store(true);
+    }
+    asio::error_code ec;
+    socket.close(ec);
+    return true;
+  }
+};
+
+// What this process knows about one worker: where it listens, the connection it opened to it.
+struct Peer {
+  explicit Peer(int id_) : id(id_) {}
+  const int id;
+
+  std::mutex connect_mu;                   // one connect attempt at a time, held across it
+  std::atomic<std::uint64_t> attempts{0};  // finished failed attempts
+  std::string last_failure;                // under connect_mu: the error of the latest attempt
+
+  std::mutex mu;  // guards the fields below
+  std::string name;
+  std::string address;
+  std::shared_ptr<Connection> out;
+  std::string lost_reason;  // a handshaken connection broke: sends fail fast until add_peer()
+  bool lost_reported = false;
+
+  std::string describe_locked() const {
+    return "worker " + std::to_string(id) + " ('" + name + "')" +
+           (address.empty() ? std::string() : " at " + address);
+  }
+};
+
+// An incoming connection between accept and the end of its handshake (listener thread only).
+struct PendingHandshake {
+  PendingHandshake(asio::ip::tcp::socket s, asio::io_context& lio)
+      : sock(std::move(s)), timer(lio), decoder(hello_limits()) {}
+  asio::ip::tcp::socket sock;
+  asio::steady_timer timer;
+  wire::FrameDecoder decoder;
+  std::array<char, wire::kFrameFixedBytes> fixed{};
+  wire::Message request;
+  wire::Hello hello;
+  wire::Message reply;
+  std::string reply_header;
+  std::string remote;
+  bool finished = false;
+};
+
+class Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  Impl(const TransportOptions& options, TransportCallbacks callbacks)
+      : options_(options),
+        callbacks_(std::move(callbacks)),
+        io_work_(asio::make_work_guard(io_)),
+        lio_work_(asio::make_work_guard(lio_)),
+        acceptor_(lio_),
+        accept_retry_(lio_) {
+    if (!options_.auth_token.empty()) token_ = options_.auth_token;
+    listen();
+  }
+
+  // Separate from the constructor: the threads hold a shared_ptr to this.
+  void start() {
+    accept_next();
+    auto self = shared_from_this();
+    listen_thread_ = std::thread([self] { self->run_loop(self->lio_, "distrpc-tcp-lsn"); });
+    io_thread_ = std::thread([self] { self->run_loop(self->io_, "distrpc-tcp-io"); });
+  }
+
+  const std::string& address() const { return address_; }
+
+  void add_peer(int id, const std::string& name, const std::string& address) {
+    if (id < 0) {
+      throw DistNetworkError("distrpc tcp: add_peer: worker id " + std::to_string(id) + " ('" +
+                             name + "') is negative");
+    }
+    try {
+      split_host_port(address);
+    } catch (const DistNetworkError& e) {
+      throw DistNetworkError("distrpc tcp: add_peer: worker " + std::to_string(id) + " ('" + name +
+                             "'): " + e.what());
+    }
+    auto p = peer_entry(id);
+    std::lock_guard<std::mutex> lk(p->mu);
+    p->name = name;
+    p->address = address;
+    // A fresh registration is a fresh incarnation: it may be connected (and lost) again.
+    p->lost_reason.clear();
+    p->lost_reported = false;
+  }
+
+  void send(int peer, wire::Message&& m) {
+    if (stopping_.load()) {
+      throw DistNetworkError("distrpc tcp: cannot send to worker " + std::to_string(peer) +
+                             ": the transport of " + self_text() + " is shut down");
+    }
+    try {
+      wire::check_limits(m, options_.limits);
+    } catch (const wire::EncodeError& e) {
+      throw wire::EncodeError("distrpc tcp: refusing to send to worker " + std::to_string(peer) +
+                              ": " + e.what());
+    }
+    write_frame(*connection_to(peer), m);
+  }
+
+  void shutdown() {
+    std::lock_guard<std::mutex> guard(shutdown_mu_);
+    if (shut_down_) return;
+    std::vector<std::shared_ptr<Connection>> conns;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stopping_.store(true);
+      conns.assign(conns_.begin(), conns_.end());
+    }
+    for (auto& c : conns) c->shutdown_fd();
+    io_work_.reset();
+    lio_work_.reset();
+    io_.stop();
+    lio_.stop();
+    const auto me = std::this_thread::get_id();
+    for (std::thread* t : {&listen_thread_, &io_thread_}) {
+      if (!t->joinable()) continue;
+      // Called from a callback: this thread cannot join itself; it returns to a stopped loop and
+      // exits, holding the last reference to this object if the Context is gone by then.
+      if (t->get_id() == me) {
+        t->detach();
+      } else {
+        t->join();
+      }
+    }
+    // No other thread touches the sockets any more.
+    asio::error_code ec;
+    acceptor_.close(ec);
+    accept_retry_.cancel();
+    for (auto& c : conns) c->close();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      conns_.clear();
+      for (auto& [id, p] : peers_) {
+        std::lock_guard<std::mutex> plk(p->mu);
+        p->out.reset();
+      }
+    }
+    shut_down_ = true;
+  }
+
+ private:
+  std::string self_text() const {
+    return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
+  }
+
+  wire::Hello my_hello() const {
+    wire::Hello h;
+    h.protocol_version = wire::kProtocolVersion;
+    h.worker_name = options_.self_name;
+    h.worker_id = options_.self_id;
+    h.auth_token = token_;
+    return h;
+  }
+
+  std::shared_ptr<Peer> peer_entry(int id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& slot = peers_[id];
+    if (!slot) slot = std::make_shared<Peer>(id);
+    return slot;
+  }
+
+  std::shared_ptr<Peer> find_peer(int id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(id);
+    return it == peers_.end() ? nullptr : it->second;
+  }
+
+  bool register_connection(const std::shared_ptr<Connection>& c) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_.load()) return false;
+    conns_.insert(c);
+    return true;
+  }
+
+  // ---- listener ------------------------------------------------------------------------------
+
+  void listen() {
+    const std::string& host = options_.listen_host;
+    asio::error_code ec;
+    asio::ip::tcp::endpoint ep;
+    const auto addr = asio::ip::make_address(host, ec);
+    if (!ec) {
+      ep = asio::ip::tcp::endpoint(addr, 0);
+    } else {
+      asio::ip::tcp::resolver resolver(lio_);
+      const auto results = resolver.resolve(host, "0", ec);
+      if (ec || results.empty()) {
+        throw DistNetworkError(
+            "distrpc tcp: " + self_text() + " cannot listen on '" + host +
+            "': cannot resolve it: " + (ec ? ec.message() : std::string("no address")));
+      }
+      ep = results.begin()->endpoint();
+    }
+    const auto fail = [&](const char* step) {
+      return DistNetworkError("distrpc tcp: " + self_text() + " cannot listen on '" + host + "' (" +
+                              ep.address().to_string() + "): " + step + ": " + ec.message());
+    };
+    acceptor_.open(ep.protocol(), ec);
+    if (ec) throw fail("socket");
+    acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
+    acceptor_.bind(ep, ec);
+    if (ec) throw fail("bind");
+    acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) throw fail("listen");
+    const auto bound = acceptor_.local_endpoint(ec);
+    if (ec) throw fail("getsockname");
+    // A wildcard address cannot be dialled from another host: publish this host's name instead.
+    const std::string published =
+        bound.address().is_unspecified() ? asio::ip::host_name() : bound.address().to_string();
+    address_ = join_host_port(published, bound.port());
+  }
+
+  void accept_next() {
+    acceptor_.async_accept([this](const asio::error_code& ec, asio::ip::tcp::socket sock) {
+      if (stopping_.load() || ec == asio::error::operation_aborted) return;
+      if (ec) {
+        // EMFILE and friends: keep serving, without spinning on the error.
+        std::fprintf(stderr, "distrpc tcp: %s: accept on %s failed: %s (retrying)\n",
+                     self_text().c_str(), address_.c_str(), ec.message().c_str());
+        accept_retry_.expires_after(std::chrono::milliseconds(100));
+        accept_retry_.async_wait([this](const asio::error_code& tec) {
+          if (!tec && !stopping_.load()) accept_next();
+        });
+        return;
+      }
+      start_handshake(std::move(sock));
+      accept_next();
+    });
+  }
+
+  void start_handshake(asio::ip::tcp::socket sock) {
+    auto h = std::make_shared<PendingHandshake>(std::move(sock), lio_);
+    asio::error_code ec;
+    const auto ep = h->sock.remote_endpoint(ec);
+    h->remote = ec ? std::string("(unknown address)") : endpoint_text(ep);
+    tune_socket(h->sock.native_handle());
+    h->timer.expires_after(options_.connect_timeout);
+    h->timer.async_wait([this, h](const asio::error_code& tec) {
+      if (tec || h->finished) return;
+      fail_handshake(
+          *h, "no handshake within " + std::to_string(options_.connect_timeout.count()) + " ms");
+    });
+    asio::async_read(
+        h->sock, asio::buffer(h->fixed),
+        [this, h](const asio::error_code& rec, std::size_t) { on_hello_header(h, rec); });
+  }
+
+  static std::string handshake_read_error(const asio::error_code& ec) {
+    if (ec == asio::error::eof) return "the peer closed the connection during the handshake";
+    return "reading the handshake failed: " + ec.message();
+  }
+
+  void on_hello_header(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+    if (h->finished || stopping_.load()) return;
+    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    try {
+      h->decoder.feed(h->fixed.data(), h->fixed.size());
+      // hello_limits() allows no buffers, so a complete fixed part is a complete header.
+      if (!h->decoder.done()) throw wire::ProtocolError("handshake frame header incomplete");
+      h->request = wire::allocate_message(h->decoder.header());
+    } catch (const std::exception& e) {
+      return fail_handshake(*h, std::string("bad handshake: ") + e.what());
+    }
+    asio::async_read(
+        h->sock, asio::buffer(h->request.payload),
+        [this, h](const asio::error_code& rec, std::size_t) { on_hello_body(h, rec); });
+  }
+
+  void on_hello_body(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+    if (h->finished || stopping_.load()) return;
+    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    try {
+      h->hello = wire::decode_hello(h->request);
+      wire::verify_auth_token(h->hello, token_);
+      check_claimed_identity(h->hello);
+      h->reply = wire::encode_hello(my_hello());
+      h->reply_header = wire::encode_frame_header(h->reply);
+    } catch (const std::exception& e) {
+      return fail_handshake(*h, std::string("bad handshake: ") + e.what());
+    }
+    const std::array<asio::const_buffer, 2> bufs{asio::buffer(h->reply_header),
+                                                 asio::buffer(h->reply.payload)};
+    asio::async_write(h->sock, bufs, [this, h](const asio::error_code& wec, std::size_t) {
+      if (h->finished || stopping_.load()) return;
+      if (wec) return fail_handshake(*h, "sending the handshake reply failed: " + wec.message());
+      h->finished = true;
+      h->timer.cancel();
+      adopt_incoming(*h);
+    });
+  }
+
+  // The claimed id must be a valid worker id, and agree with what add_peer() said about it.
+  void check_claimed_identity(const wire::Hello& hello) {
+    if (hello.worker_id < 0 || hello.worker_id > INT_MAX) {
+      throw wire::ProtocolError("worker '" + hello.worker_name + "' claims worker id " +
+                                std::to_string(hello.worker_id) + ", outside 0.." +
+                                std::to_string(INT_MAX));
+    }
+    auto p = find_peer(static_cast<int>(hello.worker_id));
+    if (!p) return;
+    std::lock_guard<std::mutex> lk(p->mu);
+    if (!p->name.empty() && p->name != hello.worker_name) {
+      throw wire::ProtocolError("the peer claims to be worker " + std::to_string(p->id) + " as '" +
+                                hello.worker_name + "', but worker " + std::to_string(p->id) +
+                                " is '" + p->name + "'");
+    }
+  }
+
+  void fail_handshake(PendingHandshake& h, const std::string& reason) {
+    h.finished = true;
+    h.timer.cancel();
+    log_drop(h.remote, reason);
+    asio::error_code ec;
+    h.sock.shutdown(asio::socket_base::shutdown_both, ec);
+    h.sock.close(ec);
+  }
+
+  // Moves a handshaken socket from the listener's loop to the I/O loop.
+  void adopt_incoming(PendingHandshake& h) {
+    asio::error_code ec;
+    const auto protocol = h.sock.local_endpoint(ec).protocol();
+    if (ec) return fail_handshake(h, "getsockname failed: " + ec.message());
+    const int fd = h.sock.release(ec);
+    if (ec) return fail_handshake(h, "cannot take over the socket: " + ec.message());
+    auto c = std::make_shared<Connection>(io_);
+    c->socket.assign(protocol, fd, ec);
+    if (ec) {
+      ::close(fd);
+      log_drop(h.remote, "cannot register the socket: " + ec.message());
+      return;
+    }
+    c->fd = fd;
+    c->outgoing = false;
+    c->peer = static_cast<int>(h.hello.worker_id);
+    c->peer_name = h.hello.worker_name;
+    c->remote = h.remote;
+    if (!register_connection(c)) {
+      c->close();
+      return;
+    }
+    auto p = peer_entry(c->peer);
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->name.empty()) p->name = c->peer_name;
+    }
+    asio::post(io_, [this, c] { start_reading(c); });
+  }
+
+  // ---- connecting (calling thread) -----------------------------------------------------------
+
+  // The connection this process opened to worker `id`, opened now if there is none yet.
+  std::shared_ptr<Connection> connection_to(int id) {
+    auto p = find_peer(id);
+    if (!p) {
+      throw DistNetworkError("distrpc tcp: cannot send to worker " + std::to_string(id) +
+                             ": its address is unknown (add_peer() was not called for it)");
+    }
+    const auto usable = [&]() -> std::shared_ptr<Connection> {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->out) return p->out;
+      if (!p->lost_reason.empty()) {
+        throw DistNetworkError("distrpc tcp: cannot send to " + p->describe_locked() +
+                               ": the connection was lost (" + p->lost_reason + ")");
+      }
+      if (p->address.empty()) {
+        throw DistNetworkError("distrpc tcp: cannot send to " + p->describe_locked() +
+                               ": its address is unknown (add_peer() was not called for it)");
+      }
+      return nullptr;
+    };
+    if (auto c = usable()) return c;
+    const std::uint64_t seen = p->attempts.load();
+    std::lock_guard<std::mutex> ck(p->connect_mu);
+    if (auto c = usable()) return c;
+    // Another thread's attempt failed while this one waited: its error stands for both, so N
+    // waiting senders do not wait N connect timeouts.
+    if (p->attempts.load() != seen && !p->last_failure.empty()) {
+      throw DistNetworkError(p->last_failure);
+    }
+    std::string name, address;
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      name = p->name;
+      address = p->address;
+    }
+    std::shared_ptr<Connection> c;
+    try {
+      c = dial(id, name, address);
+    } catch (const DistNetworkError& e) {
+      p->last_failure = e.what();
+      p->attempts.fetch_add(1);
+      throw;
+    }
+    p->last_failure.clear();
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      p->out = c;
+    }
+    asio::post(io_, [this, c] { start_reading(c); });
+    return c;
+  }
+
+  std::shared_ptr<Connection> dial(int id, const std::string& name, const std::string& address) {
+    const std::string who = "worker " + std::to_string(id) + " ('" + name + "') at " + address;
+    const auto error = [&](const std::string& what) {
+      return DistNetworkError("distrpc tcp: cannot connect to " + who + ": " + what);
+    };
+    const HostPort hp = split_host_port(address);
+    const auto deadline = Clock::now() + options_.connect_timeout;
+    auto backoff = std::chrono::milliseconds(10);
+    std::string last_error;
+    for (;;) {
+      if (stopping_.load()) throw error("the transport is shut down");
+      const int fd = try_connect(hp, deadline, last_error);
+      if (fd >= 0) return handshake(FdGuard(fd), id, name, address, who, deadline);
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw error("no connection within " + std::to_string(options_.connect_timeout.count()) +
+                    " ms (connect_timeout): " + last_error);
+      }
+      // The peer may not listen yet (it is starting up): retry, backing off, until the deadline.
+      const auto until = std::min(now + backoff, deadline);
+      while (Clock::now() < until && !stopping_.load()) {
+        std::this_thread::sleep_for(std::min<Clock::duration>(
+            until - Clock::now(), std::chrono::milliseconds(kPollSliceMs)));
+      }
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    }
+  }
+
+  // One non-blocking connect per resolved address; -1 with `error` set when none answers.
+  int try_connect(const HostPort& hp, Clock::time_point deadline, std::string& error) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    if (const int rc = ::getaddrinfo(hp.host.c_str(), hp.port.c_str(), &hints, &found)) {
+      error = "cannot resolve '" + hp.host + "': " + ::gai_strerror(rc);
+      return -1;
+    }
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
+    for (const addrinfo* ai = found; ai; ai = ai->ai_next) {
+      FdGuard fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      if (fd.get() < 0) {
+        error = "socket: " + errno_text(errno);
+        continue;
+      }
+      int err = 0;
+      if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS || err == EINTR) {
+          err = wait_fd(fd.get(), POLLOUT, deadline, stopping_);
+          if (err == 0) {
+            socklen_t len = sizeof err;
+            if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+          }
+        }
+      }
+      if (err == 0) {
+        tune_socket(fd.get());
+        return fd.release();
+      }
+      error = "connect: " + errno_text(err);
+    }
+    return -1;
+  }
+
+  std::shared_ptr<Connection> handshake(FdGuard fd, int id, const std::string& name,
+                                        const std::string& address, const std::string& who,
+                                        Clock::time_point deadline) {
+    const auto error = [&](const std::string& what) {
+      return DistNetworkError("distrpc tcp: handshake with " + who + " failed: " + what);
+    };
+    const auto io_text = [&](int err) {
+      if (err == kEndOfStream) {
+        return std::string(
+            "the peer closed the connection (it refused our handshake: see its log; a wrong auth "
+            "token, protocol version or worker identity are the usual reasons)");
+      }
+      if (err == ETIMEDOUT) {
+        return "no reply within " + std::to_string(options_.connect_timeout.count()) +
+               " ms (connect_timeout)";
+      }
+      if (err == ECANCELED) return std::string("the transport is shut down");
+      return errno_text(err);
+    };
+    wire::Message hello = wire::encode_hello(my_hello());
+    std::string header = wire::encode_frame_header(hello);
+    std::array<iovec, 2> iov{iovec{header.data(), header.size()},
+                             iovec{hello.payload.data(), hello.payload.size()}};
+    if (const int err = write_all(fd.get(), iov.data(), iov.size(), deadline, stopping_)) {
+      throw error("sending our Hello: " + io_text(err));
+    }
+    std::array<char, wire::kFrameFixedBytes> fixed{};
+    if (const int err = read_exact(fd.get(), fixed.data(), fixed.size(), deadline, stopping_)) {
+      throw error("reading its Hello: " + io_text(err));
+    }
+    wire::Hello theirs;
+    try {
+      wire::FrameDecoder decoder(hello_limits());
+      decoder.feed(fixed.data(), fixed.size());
+      if (!decoder.done()) throw wire::ProtocolError("handshake frame header incomplete");
+      wire::Message reply = wire::allocate_message(decoder.header());
+      if (const int err = read_exact(fd.get(), reply.payload.data(), reply.payload.size(), deadline,
+                                     stopping_)) {
+        throw error("reading its Hello: " + io_text(err));
+      }
+      theirs = wire::decode_hello(reply);
+      wire::verify_auth_token(theirs, token_);
+    } catch (const wire::ProtocolError& e) {
+      throw error(e.what());
+    }
+    if (theirs.worker_id != id) {
+      throw error("reached worker " + std::to_string(theirs.worker_id) + " ('" +
+                  theirs.worker_name + "') instead");
+    }
+    if (!name.empty() && theirs.worker_name != name) {
+      throw error("the peer there is named '" + theirs.worker_name + "'");
+    }
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len);
+    const auto protocol = local.ss_family == AF_INET6 ? asio::ip::tcp::v6() : asio::ip::tcp::v4();
+    auto c = std::make_shared<Connection>(io_);
+    asio::error_code ec;
+    c->socket.assign(protocol, fd.get(), ec);
+    if (ec) throw error("cannot register the socket: " + ec.message());
+    c->fd = fd.release();
+    c->outgoing = true;
+    c->peer = id;
+    c->peer_name = theirs.worker_name;
+    c->remote = address;
+    if (!register_connection(c)) {
+      c->close();
+      throw error("the transport is shut down");
+    }
+    return c;
+  }
+
+  // ---- sending (calling thread) --------------------------------------------------------------
+
+  void write_frame(Connection& c, const wire::Message& m) {
+    std::lock_guard<std::mutex> lk(c.write_mu);
+    if (c.closed.load()) {
+      if (stopping_.load()) {
+        throw DistNetworkError("distrpc tcp: cannot send to " + c.describe() +
+                               ": the transport of " + self_text() + " is shut down");
+      }
+      const std::string why = c.recorded_failure();
+      throw DistNetworkError("distrpc tcp: cannot send to " + c.describe() +
+                             ": the connection was lost" + (why.empty() ? "" : " (" + why + ")"));
+    }
+    c.header_scratch.clear();
+    wire::append_frame_header(c.header_scratch, m);
+    // Header, payload, then every buffer straight from its tensor's memory: no copy of tensor
+    // bytes.
+    constexpr std::size_t kInline = 16;
+    std::array<iovec, kInline> inline_iov;
+    std::vector<iovec> heap_iov;
+    iovec* iov = inline_iov.data();
+    if (2 + m.buffers.size() > kInline) {
+      heap_iov.resize(2 + m.buffers.size());
+      iov = heap_iov.data();
+    }
+    std::size_t n = 0;
+    iov[n++] = iovec{c.header_scratch.data(), c.header_scratch.size()};
+    iov[n++] = iovec{const_cast<char*>(m.payload.data()), m.payload.size()};
+    for (const at::Tensor& b : m.buffers) {
+      iov[n++] = iovec{b.data_ptr(), static_cast<std::size_t>(b.numel())};
+    }
+    const int err = write_all(c.fd, iov, n, std::nullopt, stopping_);
+    if (err == 0) return;
+    const std::string text =
+        err == ECANCELED ? std::string("the transport was shut down mid-write") : errno_text(err);
+    // Part of a frame may be on the wire: the stream is unusable. The I/O thread sees the
+    // shutdown as the end of the stream, closes the connection and reports this reason.
+    c.record_failure("write failed: " + text);
+    c.shutdown_fd();
+    throw DistNetworkError("distrpc tcp: send of a " +
+                           std::to_string(m.payload.size() + c.header_scratch.size()) +
+                           "-byte frame (+" + std::to_string(m.buffers.size()) + " buffers) to " +
+                           c.describe() + " failed: " + text);
+  }
+
+  // ---- receiving (I/O thread) ----------------------------------------------------------------
+
+  void start_reading(const std::shared_ptr<Connection>& c) {
+    if (c->closed.load() || stopping_.load()) return;
+    c->rbuf = std::make_unique<char[]>(kReadBufferBytes);
+    c->decoder.emplace(options_.limits);
+    read_more(c);
+  }
+
+  void read_more(const std::shared_ptr<Connection>& c) {
+    c->rbeg = c->rend = 0;
+    c->socket.async_read_some(asio::buffer(c->rbuf.get(), kReadBufferBytes),
+                              [this, c](const asio::error_code& ec, std::size_t n) {
+                                if (ec) return on_read_error(c, ec);
+                                c->rend = n;
+                                process(c);
+                              });
+  }
+
+  std::pair<char*, std::size_t> segment(Connection& c, std::size_t i) {
+    if (i == 0) return {c.msg.payload.data(), c.msg.payload.size()};
+    const at::Tensor& b = c.msg.buffers[i - 1];
+    return {static_cast<char*>(b.data_ptr()), static_cast<std::size_t>(b.numel())};
+  }
+  std::size_t segment_count(const Connection& c) const { return 1 + c.msg.buffers.size(); }
+  void skip_empty_segments(Connection& c) {
+    while (c.seg < segment_count(c) && segment(c, c.seg).second == 0) ++c.seg;
+  }
+
+  // Decodes what the buffer holds, delivers complete frames, then reads more: into the buffer, or
+  // straight into the message when a large body remains.
+  void process(const std::shared_ptr<Connection>& c) {
+    try {
+      for (;;) {
+        if (!c->in_body) {
+          if (c->rbeg == c->rend) break;
+          const std::size_t used = c->decoder->feed(c->rbuf.get() + c->rbeg, c->rend - c->rbeg);
+          c->rbeg += used;
+          c->header_bytes += used;
+          if (!c->decoder->done()) break;
+          begin_body(*c);
+        }
+        while (c->seg < segment_count(*c) && c->rbeg < c->rend) {
+          auto [ptr, len] = segment(*c, c->seg);
+          const std::size_t take = std::min(len - c->seg_off, c->rend - c->rbeg);
+          std::memcpy(ptr + c->seg_off, c->rbuf.get() + c->rbeg, take);
+          c->rbeg += take;
+          c->seg_off += take;
+          c->body_received += take;
+          if (c->seg_off == len) {
+            ++c->seg;
+            c->seg_off = 0;
+            skip_empty_segments(*c);
+          }
+        }
+        if (c->seg < segment_count(*c)) break;
+        deliver(c);
+        if (c->closed.load() || stopping_.load()) return;
+      }
+    } catch (const std::exception& e) {
+      return drop(c, e.what());
+    }
+    if (c->in_body && c->body_total - c->body_received >= kDirectReadBytes) {
+      read_body_direct(c);
+    } else {
+      read_more(c);
+    }
+  }
+
+  void begin_body(Connection& c) {
+    const wire::FrameHeader& h = c.decoder->header();
+    c.body_total = h.body_bytes();
+    c.body_received = 0;
+    try {
+      c.msg = wire::allocate_message(h);
+    } catch (const std::bad_alloc&) {
+      throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
+                             wire::to_string(h.type) + " frame");
+    }
+    for (std::size_t i = 0; i < segment_count(c); ++i) {
+      auto [ptr, len] = segment(c, i);
+      prefault(ptr, len);
+    }
+    c.in_body = true;
+    c.seg = 0;
+    c.seg_off = 0;
+    skip_empty_segments(c);
+  }
+
+  void read_body_direct(const std::shared_ptr<Connection>& c) {
+    c->direct.clear();
+    for (std::size_t i = c->seg; i < segment_count(*c); ++i) {
+      auto [ptr, len] = segment(*c, i);
+      const std::size_t off = i == c->seg ? c->seg_off : 0;
+      if (len > off) c->direct.push_back(asio::buffer(ptr + off, len - off));
+    }
+    const auto chunk = [](const asio::error_code& ec, std::size_t) -> std::size_t {
+      return ec ? 0 : kDirectReadChunk;
+    };
+    asio::async_read(c->socket, c->direct, chunk,
+                     [this, c](const asio::error_code& ec, std::size_t n) {
+                       c->body_received += n;
+                       c->direct.clear();
+                       if (ec) return on_read_error(c, ec);
+                       c->seg = segment_count(*c);
+                       try {
+                         deliver(c);
+                       } catch (const std::exception& e) {
+                         return drop(c, e.what());
+                       }
+                       if (c->closed.load() || stopping_.load()) return;
+                       read_more(c);
+                     });
+  }
+
+  void deliver(const std::shared_ptr<Connection>& c) {
+    wire::Message m = std::move(c->msg);
+    c->msg = wire::Message{};
+    c->in_body = false;
+    c->header_bytes = 0;
+    c->decoder->reset();
+    if (m.type == wire::MessageType::Handshake) {
+      throw wire::ProtocolError("unexpected Handshake frame on an established connection");
+    }
+    if (!callbacks_.on_message) return;
+    try {
+      callbacks_.on_message(c->peer, std::move(m));
+    } catch (const std::exception& e) {
+      // The owner's bug, not the peer's: the connection stays.
+      std::fprintf(stderr, "distrpc tcp: on_message for a message from %s threw: %s\n",
+                   c->describe().c_str(), e.what());
+    }
+  }
+
+  void on_read_error(const std::shared_ptr<Connection>& c, const asio::error_code& ec) {
+    if (ec == asio::error::operation_aborted || c->closed.load() || stopping_.load()) return;
+    // A local write failure shut the socket down: that is the real reason.
+    if (std::string why = c->recorded_failure(); !why.empty()) return lose(c, why);
+    if (ec == asio::error::eof) {
+      if (c->in_body) {
+        return drop(c, "truncated frame: the stream ended after " +
+                           std::to_string(c->body_received) + " of the " +
+                           std::to_string(c->body_total) + " body bytes of a " +
+                           wire::to_string(c->msg.type) + " frame");
+      }
+      if (c->header_bytes > 0) {
+        return drop(c, "truncated frame: the stream ended after " +
+                           std::to_string(c->header_bytes) + " bytes of a frame header");
+      }
+      return lose(c, "connection closed by peer");
+    }
+    lose(c, ec.message());
+  }
+
+  // A protocol violation: logged, then handled like any other loss.
+  void drop(const std::shared_ptr<Connection>& c, const std::string& reason) {
+    if (stopping_.load()) return;
+    log_drop(c->remote, c->describe() + ": " + reason);
+    lose(c, reason);
+  }
+
+  void lose(const std::shared_ptr<Connection>& c, const std::string& reason) {
+    if (!c->close()) return;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      conns_.erase(c);
+    }
+    bool report = false;
+    if (auto p = find_peer(c->peer)) {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->out == c) p->out.reset();
+      if (p->lost_reason.empty()) p->lost_reason = reason;
+      // Both connections with a dead peer break together: the owner hears about the peer once.
+      if (!p->lost_reported) report = p->lost_reported = true;
+    }
+    if (!report || stopping_.load() || !callbacks_.on_peer_lost) return;
+    try {
+      callbacks_.on_peer_lost(c->peer, reason);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "distrpc tcp: on_peer_lost for %s threw: %s\n", c->describe().c_str(),
+                   e.what());
+    }
+  }
+
+  void run_loop(asio::io_context& io, const char* thread_name) {
+    ::pthread_setname_np(::pthread_self(), thread_name);
+    for (;;) {
+      try {
+        io.run();
+        return;
+      } catch (const std::exception& e) {
+        // Handlers catch what they expect; anything else must not take the thread down silently.
+        std::fprintf(stderr, "distrpc tcp: %s: unexpected error on thread %s: %s\n",
+                     self_text().c_str(), thread_name, e.what());
+      }
+    }
+  }
+
+  const TransportOptions options_;
+  const TransportCallbacks callbacks_;
+  std::optional<std::string> token_;
+  std::string address_;
+
+  // Declared before everything holding sockets or timers, so it is destroyed after them.
+  asio::io_context io_;   // the I/O thread: reads of established connections, callbacks
+  asio::io_context lio_;  // the listener thread: accepts and incoming handshakes
+  asio::executor_work_guard<asio::io_context::executor_type> io_work_;
+  asio::executor_work_guard<asio::io_context::executor_type> lio_work_;
+  asio::ip::tcp::acceptor acceptor_;
+  asio::steady_timer accept_retry_;
+
+  std::atomic<bool> stopping_{false};
+  std::mutex mu_;  // guards peers_ and conns_
+  std::map<int, std::shared_ptr<Peer>> peers_;
+  std::set<std::shared_ptr<Connection>> conns_;
+
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;
+  std::thread listen_thread_;
+  std::thread io_thread_;
+};
+
+}  // namespace tcp_detail
+
+// Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it.
+class Tcp::Context {
+ public:
+  // Listens on options.listen_host (port 0) and starts the listener and I/O threads.
+  // Throws DistNetworkError when it cannot listen.
+  Context(const TransportOptions& options, TransportCallbacks callbacks)
+      : impl_(std::make_shared<tcp_detail::Impl>(options, std::move(callbacks))) {
+    impl_->start();
+  }
+  ~Context() { shutdown(); }
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // "host:port" of the listener, to publish for peers ("[v6]:port" for IPv6 hosts).
+  std::string address() const { return impl_->address(); }
+
+  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
+  // state, so the next send connects afresh.
+  void add_peer(int id, const std::string& name, const std::string& address) {
+    impl_->add_peer(id, name, address);
+  }
+
+  // Writes `message` to worker `peer` from the calling thread, connecting first if needed.
+  // Thread-safe; frames to one peer keep the order of the calls. Throws wire::EncodeError (over
+  // the limits, nothing written) or DistNetworkError (cannot connect, connection lost).
+  void send(int peer, wire::Message&& message) { impl_->send(peer, std::move(message)); }
+
+  // Idempotent: stops accepting, closes every connection, joins the threads; no callback runs
+  // after it returns (except the one it is called from, if any).
+  void shutdown() { impl_->shutdown(); }
+
+ private:
+  std::shared_ptr<tcp_detail::Impl> impl_;
+};
+
+static_assert(check_transport<Tcp>());
+
+}  // namespace distrpc::transport
