@@ -1,0 +1,236 @@
+// rendezvous(url): turns an init method into a Store shared by the ranks of a group, as
+// torch.distributed does.
+//
+//   tcp://host:port[?rank=R&world_size=N]   rank 0 hosts a TCPStore server on host:port (port 0:
+//                                           rank 0 picks a free one; read it from the TCPStore)
+//   file:///absolute/path[?rank=R&world_size=N]   a FileStore, removed by the last of N ranks
+//   env://                                  MASTER_ADDR and MASTER_PORT name the TCP server;
+//                                           RANK and WORLD_SIZE are read when the arguments are -1
+//
+// The server-lifetime rule: the process hosting the TCP server (rank 0) must outlive every client,
+// or a client still talking to it fails with "connection ... lost". finalize_rendezvous() enforces
+// it: every rank calls it when done with the store; rank 0 returns only once all have.
+#pragma once
+
+#include <charconv>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "distrpc/store/detail/common.hpp"
+#include "distrpc/store/file_store.hpp"
+#include "distrpc/store/store.hpp"
+#include "distrpc/store/tcp_store.hpp"
+
+namespace distrpc::store {
+
+struct RendezvousResult {
+  std::shared_ptr<Store> store;
+  int rank = -1;
+  int world_size = -1;
+};
+
+namespace detail {
+
+inline constexpr const char* kUrlForms =
+    "tcp://host:port[?rank=R&world_size=N], file:///absolute/path[?rank=R&world_size=N] or env://";
+
+[[noreturn]] inline void bad_url(const std::string& url, const std::string& why) {
+  throw DistError("rendezvous: malformed URL '" + url + "': " + why + " (expected " + kUrlForms +
+                  ")");
+}
+
+inline bool parse_int(std::string_view s, long long lo, long long hi, int& out) {
+  long long v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi)
+    return false;
+  out = static_cast<int>(v);
+  return true;
+}
+
+// Reads ?rank=&world_size= into the given slots (-1 when absent); any other parameter is refused so
+// a typo does not pass silently.
+inline void parse_query(const std::string& url, std::string_view query, int& rank, int& world) {
+  while (!query.empty()) {
+    const auto amp = query.find('&');
+    const std::string_view item = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    if (item.empty()) continue;
+    const auto eq = item.find('=');
+    const std::string_view name = item.substr(0, eq);
+    const std::string_view value =
+        eq == std::string_view::npos ? std::string_view() : item.substr(eq + 1);
+    int* slot = name == "rank" ? &rank : name == "world_size" ? &world : nullptr;
+    if (!slot) {
+      bad_url(url,
+              "unknown query parameter '" + std::string(name) + "' (accepted: rank, world_size)");
+    }
+    if (!parse_int(value, 0, 1 << 30, *slot)) {
+      bad_url(url, "query parameter " + std::string(name) + "='" + std::string(value) +
+                       "' is not a non-negative integer");
+    }
+  }
+}
+
+// An argument and a URL parameter may both give the rank (or world size) only if they agree.
+inline int merge(const std::string& url, const char* what, int arg, int from_url) {
+  if (arg >= 0 && from_url >= 0 && arg != from_url) {
+    throw DistError("rendezvous '" + url + "': " + what + " " + std::to_string(arg) +
+                    " given as an argument but " + std::to_string(from_url) + " in the URL");
+  }
+  return arg >= 0 ? arg : from_url;
+}
+
+inline void check_rank(const std::string& url, int rank, int world) {
+  if (rank < 0) {
+    throw DistError("rendezvous '" + url +
+                    "': rank missing: pass rank >= 0 or add ?rank=R to the URL");
+  }
+  if (world < 1) {
+    throw DistError("rendezvous '" + url +
+                    "': world_size missing: pass world_size >= 1 or add ?world_size=N to the URL");
+  }
+  if (rank >= world) {
+    throw DistError("rendezvous '" + url + "': rank " + std::to_string(rank) +
+                    " is not below world_size " + std::to_string(world));
+  }
+}
+
+inline std::string env_or_throw(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) {
+    throw DistError(std::string("Error initializing distrpc using env:// rendezvous: environment "
+                                "variable ") +
+                    name + " expected, but not set");
+  }
+  return v;
+}
+
+inline int env_int(const char* name, long long lo, long long hi) {
+  const std::string v = env_or_throw(name);
+  int out = 0;
+  if (!parse_int(v, lo, hi, out)) {
+    throw DistError(std::string("Error initializing distrpc using env:// rendezvous: environment "
+                                "variable ") +
+                    name + "='" + v + "' is not an integer in " + std::to_string(lo) + ".." +
+                    std::to_string(hi));
+  }
+  return out;
+}
+
+inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::string& host, int port,
+                                        int rank, int world, std::chrono::milliseconds timeout) {
+  if (port == 0 && rank != 0) {
+    throw DistError("rendezvous '" + url +
+                    "': port 0 (\"pick a free port\") only works for rank 0, which hosts the "
+                    "server; rank " +
+                    std::to_string(rank) + " needs the real port");
+  }
+  // No waiting for workers here: rank 0 must be able to return (and publish a picked port) before
+  // the others connect. A store_based_barrier gives the "everyone is here" point.
+  return std::make_shared<TCPStore>(host, port, world, rank == 0, timeout, false);
+}
+
+}  // namespace detail
+
+// Connects this rank to the group's store. rank/world_size of -1 are taken from the URL (or, for
+// env://, from RANK/WORLD_SIZE). Errors are DistError texts that quote the URL and say what form
+// was expected; connection failures are DistNetworkError naming host:port.
+inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int world_size = -1,
+                                   std::chrono::milliseconds timeout = Store::kDefaultTimeout) {
+  const auto sep = url.find("://");
+  if (sep == std::string::npos || sep == 0) detail::bad_url(url, "no scheme");
+  const std::string scheme = url.substr(0, sep);
+  const std::string rest = url.substr(sep + 3);
+
+  if (scheme == "env") {
+    int url_rank = -1, url_world = -1;
+    const auto q = rest.find('?');
+    if (!rest.substr(0, q).empty()) detail::bad_url(url, "env:// takes nothing after the scheme");
+    if (q != std::string::npos) detail::parse_query(url, rest.substr(q + 1), url_rank, url_world);
+    const std::string host = detail::env_or_throw("MASTER_ADDR");
+    const int port = detail::env_int("MASTER_PORT", 0, 65535);
+    rank = detail::merge(url, "rank", rank, url_rank);
+    world_size = detail::merge(url, "world_size", world_size, url_world);
+    if (rank < 0) rank = detail::env_int("RANK", 0, 1 << 30);
+    if (world_size < 0) world_size = detail::env_int("WORLD_SIZE", 1, 1 << 30);
+    detail::check_rank(url, rank, world_size);
+    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size};
+  }
+
+  if (scheme == "tcp") {
+    const auto q = rest.find('?');
+    const std::string authority = rest.substr(0, q);
+    int url_rank = -1, url_world = -1;
+    if (q != std::string::npos) detail::parse_query(url, rest.substr(q + 1), url_rank, url_world);
+    std::string host, port_text;
+    if (!authority.empty() && authority[0] == '[') {
+      const auto close = authority.find(']');
+      if (close == std::string::npos || close + 1 >= authority.size() ||
+          authority[close + 1] != ':') {
+        detail::bad_url(url, "an IPv6 host is written [addr]:port");
+      }
+      host = authority.substr(1, close - 1);
+      port_text = authority.substr(close + 2);
+    } else {
+      const auto colon = authority.rfind(':');
+      if (colon == std::string::npos) detail::bad_url(url, "no port after the host");
+      host = authority.substr(0, colon);
+      port_text = authority.substr(colon + 1);
+    }
+    if (host.empty()) detail::bad_url(url, "empty host");
+    if (port_text.find('/') != std::string::npos) detail::bad_url(url, "a tcp:// URL has no path");
+    int port = 0;
+    if (!detail::parse_int(port_text, 0, 65535, port)) {
+      throw DistError("rendezvous '" + url + "': port '" + port_text +
+                      "' is not a number in 0..65535");
+    }
+    rank = detail::merge(url, "rank", rank, url_rank);
+    world_size = detail::merge(url, "world_size", world_size, url_world);
+    detail::check_rank(url, rank, world_size);
+    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size};
+  }
+
+  if (scheme == "file") {
+    const auto q = rest.find('?');
+    const std::string path = rest.substr(0, q);
+    int url_rank = -1, url_world = -1;
+    if (q != std::string::npos) detail::parse_query(url, rest.substr(q + 1), url_rank, url_world);
+    if (path.empty() || path[0] != '/') {
+      detail::bad_url(url, "a file:// URL needs an absolute path, as in file:///tmp/store");
+    }
+    rank = detail::merge(url, "rank", rank, url_rank);
+    world_size = detail::merge(url, "world_size", world_size, url_world);
+    detail::check_rank(url, rank, world_size);
+    return {std::make_shared<FileStore>(path, world_size, timeout), rank, world_size};
+  }
+
+  throw DistError("rendezvous: unknown scheme '" + scheme + "' in '" + url + "' (expected " +
+                  detail::kUrlForms + ")");
+}
+
+// Checks this rank out of the group's store; rank 0 (the TCP server's host) returns only once all
+// world_size ranks have checked out, so destroying its store cannot cut off a client still using
+// it. Call it on every rank as the last store operation; each `name` is single-use.
+inline void finalize_rendezvous(Store& store, int rank, int world_size,
+                                std::chrono::milliseconds timeout = Store::kDefaultTimeout,
+                                const std::string& name = "default") {
+  const std::string key = "distrpc_finalize:" + name;
+  const std::string all_done = key + ":all";
+  if (store.add(key, 1) >= world_size) store.set(all_done, "1");
+  if (rank != 0) return;
+  try {
+    store.wait({all_done}, timeout);
+  } catch (const StoreTimeoutError&) {
+    throw StoreTimeoutError("finalize_rendezvous: Timeout after " +
+                            std::to_string(timeout.count()) + " ms on rank 0 waiting for " +
+                            std::to_string(world_size) + " ranks to finish (" +
+                            std::to_string(store.add(key, 0)) + " done, key '" + key + "')");
+  }
+}
+
+}  // namespace distrpc::store

@@ -1,0 +1,1192 @@
+// The store layer: every Store operation on every store kind (one shared checker), the c10d
+// acceptance scenarios 1-3, races between clients (threads and processes), hostile input to the
+// TCPStore server, size limits, FileStore paths and cleanup, rendezvous URLs and environment.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include "distrpc/store.hpp"
+#include "multiprocess.hpp"
+
+namespace ds = distrpc::store;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+milliseconds since(Clock::time_point t0) {
+  return std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+}
+
+// Runs `f`, which must throw E; returns the message (fails the test otherwise).
+template <class E, class F>
+std::string thrown_text(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    FAIL("expected " << typeid(E).name() << ", got another exception: " << e.what());
+  }
+  FAIL("expected " << typeid(E).name() << ", nothing was thrown");
+  return {};
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "distrpc-store-XXXXXX").string();
+    if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+// A port that was free a moment ago (for tests that need the port before the server exists).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// ---- the store kinds under test ----------------------------------------------------------------
+
+// One shared store and a way to open more handles ("clients") onto it.
+struct Kind {
+  virtual ~Kind() = default;
+  virtual std::shared_ptr<ds::Store> client() = 0;
+  // Bytes the kind adds to every key (PrefixStore's "pfx/"), for tests at the key size limit.
+  virtual std::size_t key_overhead() const { return 0; }
+};
+
+struct HashKind : Kind {
+  std::shared_ptr<ds::HashStore> store = std::make_shared<ds::HashStore>(30s);
+  std::shared_ptr<ds::Store> client() override { return store; }
+};
+
+struct FileKind : Kind {
+  TempDir dir;
+  std::string path = dir.file("store");
+  std::shared_ptr<ds::Store> client() override {
+    return std::make_shared<ds::FileStore>(path, -1, 30s);
+  }
+};
+
+struct TcpKind : Kind {
+  std::shared_ptr<ds::TCPStore> master =
+      std::make_shared<ds::TCPStore>("127.0.0.1", 0, -1, true, 30s);
+  std::shared_ptr<ds::Store> client() override {
+    return std::make_shared<ds::TCPStore>("127.0.0.1", master->port(), -1, false, 30s);
+  }
+};
+
+struct PrefixKind : Kind {
+  explicit PrefixKind(std::unique_ptr<Kind> k) : inner(std::move(k)) {}
+  std::unique_ptr<Kind> inner;
+  std::shared_ptr<ds::Store> client() override {
+    return std::make_shared<ds::PrefixStore>("pfx", inner->client());
+  }
+  std::size_t key_overhead() const override { return 4 + inner->key_overhead(); }
+};
+
+const std::vector<std::string> kKinds = {"HashStore",
+                                         "FileStore",
+                                         "TCPStore",
+                                         "PrefixStore(HashStore)",
+                                         "PrefixStore(FileStore)",
+                                         "PrefixStore(TCPStore)"};
+
+std::unique_ptr<Kind> make_kind(const std::string& name) {
+  if (name == "HashStore") return std::make_unique<HashKind>();
+  if (name == "FileStore") return std::make_unique<FileKind>();
+  if (name == "TCPStore") return std::make_unique<TcpKind>();
+  const auto open = name.find('(');
+  return std::make_unique<PrefixKind>(make_kind(name.substr(open + 1, name.size() - open - 2)));
+}
+
+// The shared checker: runs `body` once for every store kind.
+void for_each_kind(const std::function<void(Kind&)>& body) {
+  for (const auto& name : kKinds) {
+    INFO("store kind: " << name);
+    auto kind = make_kind(name);
+    body(*kind);
+  }
+}
+
+// Increments the decimal count at the front of `key`'s value ("<count>/<tag>") with compare_set,
+// retrying until this caller's swap wins. The tag makes every desired value unique, so "the reply
+// equals what I asked for" can only mean that this very swap happened.
+void cas_increment(ds::Store& s, const std::string& key, const std::string& tag) {
+  for (int attempt = 0;; ++attempt) {
+    const std::string cur = s.check({key}) ? s.get_string(key) : std::string();
+    const long count = cur.empty() ? 0 : std::stol(cur.substr(0, cur.find('/')));
+    const std::string next = std::to_string(count + 1) + "/" + tag + "." + std::to_string(attempt);
+    if (s.compare_set(key, ds::to_bytes(cur), ds::to_bytes(next)) == ds::to_bytes(next)) return;
+  }
+}
+
+std::string cas_count(ds::Store& s, const std::string& key) {
+  const std::string v = s.get_string(key);
+  return v.substr(0, v.find('/'));
+}
+
+// Runs `f` on a thread and hands back what it threw (assertions stay on the test's thread).
+class Async {
+ public:
+  template <class F>
+  explicit Async(F f)
+      : thread_([this, f = std::move(f)]() mutable {
+          try {
+            f();
+          } catch (const std::exception& e) {
+            error_ = e.what();
+            threw_ = true;
+          }
+        }) {}
+  ~Async() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // Joins; the exception text, if any.
+  std::optional<std::string> join() {
+    thread_.join();
+    return threw_ ? std::optional<std::string>(error_) : std::nullopt;
+  }
+
+ private:
+  std::string error_;
+  bool threw_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+// ---- conformance: every operation on every kind -------------------------------------------------
+
+TEST_CASE("store conformance: set and get, overwrite, empty and binary values, big values") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    a->set("k", "v1");
+    CHECK(a->get_string("k") == "v1");
+    CHECK(b->get_string("k") == "v1");
+    b->set("k", std::string_view("v2"));
+    CHECK(a->get_string("k") == "v2");
+    a->set("empty", "");
+    CHECK(b->get("empty").empty());
+    const ds::Bytes binary = {0, 1, 0xff, 0, 0x80, '\n'};
+    a->set(std::string("bin\0key", 7), binary);
+    CHECK(b->get(std::string("bin\0key", 7)) == binary);
+    ds::Bytes big(1 << 20);
+    for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::uint8_t>(i * 7);
+    a->set("big", big);
+    CHECK(b->get("big") == big);
+    const std::string longest_key(ds::Store::kMaxKeyBytes - kind.key_overhead(), 'k');
+    a->set(longest_key, "at the limit");
+    CHECK(b->get_string(longest_key) == "at the limit");
+  });
+}
+
+TEST_CASE("store conformance: get of a missing key times out with a text naming key and ms") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    CHECK(a->timeout() == 30s);
+    a->set_timeout(150ms);
+    CHECK(a->timeout() == 150ms);
+    const auto t0 = Clock::now();
+    const auto text = thrown_text<ds::StoreTimeoutError>([&] { a->get("missing key"); });
+    const auto took = since(t0);
+    CHECK(contains(text, "Timeout"));
+    CHECK(contains(text, "missing key"));
+    CHECK(contains(text, "150 ms"));
+    CHECK(took >= 140ms);
+    CHECK(took < 2500ms);
+  });
+}
+
+TEST_CASE("store conformance: get and wait block until another client sets the keys") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    {
+      Async setter([&] {
+        std::this_thread::sleep_for(100ms);
+        b->set("late", "arrived");
+      });
+      const auto t0 = Clock::now();
+      CHECK(a->get_string("late") == "arrived");
+      CHECK(since(t0) >= 80ms);
+      CHECK_FALSE(setter.join());
+    }
+    {
+      Async setter([&] {
+        std::this_thread::sleep_for(50ms);
+        b->set("w1", "1");
+        std::this_thread::sleep_for(50ms);
+        b->set("w2", "2");
+      });
+      const auto t0 = Clock::now();
+      a->wait({"w1", "w2"}, 5s);
+      CHECK(since(t0) >= 80ms);
+      CHECK(a->check({"w1", "w2"}));
+      CHECK_FALSE(setter.join());
+    }
+  });
+}
+
+TEST_CASE("store conformance: add counts in decimal text, add(key, 0) reads, bad values refused") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    CHECK(a->add("c", 5) == 5);
+    CHECK(b->add("c", -2) == 3);
+    CHECK(a->add("c", 0) == 3);
+    CHECK(b->get_string("c") == "3");
+    b->set("c", "-40");
+    CHECK(a->add("c", 2) == -38);
+
+    a->set("text", "abc");
+    auto text = thrown_text<distrpc::DistStoreError>([&] { b->add("text", 1); });
+    CHECK(contains(text, "not a 64-bit decimal integer"));
+    CHECK(contains(text, "text"));
+    CHECK(a->get_string("text") == "abc");
+
+    a->set("max", std::to_string(std::numeric_limits<std::int64_t>::max()));
+    text = thrown_text<distrpc::DistStoreError>([&] { b->add("max", 1); });
+    CHECK(contains(text, "overflows"));
+    a->set("min", std::to_string(std::numeric_limits<std::int64_t>::min()));
+    CHECK(b->add("min", 0) == std::numeric_limits<std::int64_t>::min());
+  });
+}
+
+TEST_CASE("store conformance: compare_set in all its cases") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    const auto B = [](std::string_view s) { return ds::to_bytes(s); };
+    // Missing key and empty expected value: set.
+    CHECK(a->compare_set("cs", {}, B("first")) == B("first"));
+    CHECK(b->get_string("cs") == "first");
+    // Missing key, non-empty expected: nothing set, the expected value comes back.
+    CHECK(a->compare_set("absent", B("x"), B("y")) == B("x"));
+    CHECK_FALSE(b->check({"absent"}));
+    // Present and equal: swapped.
+    CHECK(b->compare_set("cs", B("first"), B("second")) == B("second"));
+    CHECK(a->get_string("cs") == "second");
+    // Present and different: unchanged, the current value comes back.
+    CHECK(a->compare_set("cs", B("first"), B("third")) == B("second"));
+    CHECK(b->get_string("cs") == "second");
+  });
+}
+
+TEST_CASE("store conformance: check and wait, with timeouts naming the missing keys") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    CHECK(a->check({}));
+    CHECK_FALSE(a->check({"x"}));
+    b->set("x", "1");
+    CHECK(a->check({"x"}));
+    CHECK_FALSE(a->check({"x", "y"}));
+    a->wait({});
+    a->wait({"x"}, 1s);
+
+    const auto t0 = Clock::now();
+    const auto text = thrown_text<ds::StoreTimeoutError>([&] { a->wait({"x", "y"}, 150ms); });
+    CHECK(since(t0) >= 140ms);
+    CHECK(contains(text, "Timeout"));
+    CHECK(contains(text, "150 ms"));
+    CHECK(contains(text, "missing ["));
+    CHECK(contains(text.substr(text.find("missing [")), "y'"));
+    CHECK_FALSE(contains(text.substr(text.find("missing [")), "x'"));
+
+    // wait(keys) without a duration uses timeout().
+    a->set_timeout(100ms);
+    const auto t1 = Clock::now();
+    CHECK_THROWS_AS(a->wait({"never"}), ds::StoreTimeoutError);
+    CHECK(since(t1) >= 90ms);
+  });
+}
+
+TEST_CASE("store conformance: delete_key and num_keys") {
+  for_each_kind([](Kind& kind) {
+    auto a = kind.client();
+    auto b = kind.client();
+    const auto n0 = a->num_keys();
+    a->set("d1", "1");
+    a->set("d2", "2");
+    b->add("d3", 1);
+    CHECK(b->num_keys() == n0 + 3);
+    a->set("d1", "overwritten");
+    CHECK(a->num_keys() == n0 + 3);
+    CHECK(b->delete_key("d1"));
+    CHECK_FALSE(a->delete_key("d1"));
+    CHECK_FALSE(a->check({"d1"}));
+    CHECK(a->num_keys() == n0 + 2);
+    a->set_timeout(100ms);
+    CHECK_THROWS_AS(a->get("d1"), ds::StoreTimeoutError);
+    // A deleted key can come back.
+    b->set("d1", "again");
+    CHECK(a->get_string("d1") == "again");
+  });
+}
+
+TEST_CASE("store conformance: oversized keys and values are refused with size and limit") {
+  const std::string long_key(ds::Store::kMaxKeyBytes + 1, 'k');
+  const ds::Bytes long_value(ds::Store::kMaxValueBytes + 1, 1);
+  for_each_kind([&](Kind& kind) {
+    auto a = kind.client();
+    auto text = thrown_text<distrpc::DistStoreError>([&] { a->set(long_key, "v"); });
+    // PrefixStore adds "pfx/" to the key before the underlying store measures it.
+    CHECK((contains(text, std::to_string(long_key.size()) + " bytes") ||
+           contains(text, std::to_string(long_key.size() + 4) + " bytes")));
+    CHECK(contains(text, "limit of " + std::to_string(ds::Store::kMaxKeyBytes) + " bytes"));
+    text = thrown_text<distrpc::DistStoreError>([&] { a->set("v", long_value); });
+    CHECK(contains(text, std::to_string(long_value.size()) + " bytes"));
+    CHECK(contains(text, "limit of " + std::to_string(ds::Store::kMaxValueBytes) + " bytes"));
+    CHECK_THROWS_AS(a->get(long_key), distrpc::DistStoreError);
+    CHECK_THROWS_AS(a->add(long_key, 1), distrpc::DistStoreError);
+    CHECK_THROWS_AS(a->check({"ok", long_key}), distrpc::DistStoreError);
+    CHECK_THROWS_AS(a->wait({long_key}, 10ms), distrpc::DistStoreError);
+    CHECK_THROWS_AS(a->compare_set("k", {}, long_value), distrpc::DistStoreError);
+    CHECK_THROWS_AS(a->delete_key(long_key), distrpc::DistStoreError);
+    // Still usable afterwards.
+    a->set("after", "ok");
+    CHECK(a->get_string("after") == "ok");
+  });
+}
+
+TEST_CASE("store conformance: racing clients lose no add and no compare_set update") {
+  constexpr int kThreads = 4;
+  constexpr int kAdds = 150;
+  constexpr int kSwaps = 30;
+  for_each_kind([&](Kind& kind) {
+    std::vector<std::shared_ptr<ds::Store>> clients;
+    for (int i = 0; i < kThreads; ++i) clients.push_back(kind.client());
+    std::vector<std::vector<std::int64_t>> seen(kThreads);
+    std::vector<std::unique_ptr<Async>> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.push_back(std::make_unique<Async>([&, t] {
+        for (int i = 0; i < kAdds; ++i) seen[t].push_back(clients[t]->add("race", 1));
+        for (int i = 0; i < kSwaps; ++i) {
+          cas_increment(*clients[t], "cas", std::to_string(t) + "." + std::to_string(i));
+        }
+      }));
+    }
+    for (auto& t : threads) CHECK_FALSE(t->join());
+    CHECK(clients[0]->add("race", 0) == kThreads * kAdds);
+    // Every add returned a distinct count: each saw the result of exactly its own increment.
+    std::set<std::int64_t> all;
+    for (const auto& s : seen) all.insert(s.begin(), s.end());
+    CHECK(all.size() == std::size_t(kThreads * kAdds));
+    CHECK(*all.begin() == 1);
+    CHECK(*all.rbegin() == kThreads * kAdds);
+    CHECK(cas_count(*clients[0], "cas") == std::to_string(kThreads * kSwaps));
+  });
+}
+
+// ---- c10d acceptance scenarios ------------------------------------------------------------------
+
+TEST_CASE(
+    "store: c10d scenario 1 - get of a missing key fails with Timeout via tcp:// and file://") {
+  TempDir dir;
+  for (const std::string& url : {std::string("tcp://127.0.0.1:0"), "file://" + dir.file("s1")}) {
+    INFO("url: " << url);
+    const auto t0 = Clock::now();
+    {
+      auto r = ds::rendezvous(url, 0, 1, 1s);
+      CHECK(r.rank == 0);
+      CHECK(r.world_size == 1);
+      REQUIRE(r.store);
+      const auto t1 = Clock::now();
+      const auto text =
+          thrown_text<distrpc::DistStoreError>([&] { r.store->get("nonexistent key"); });
+      CHECK(contains(text, "Timeout"));
+      CHECK(contains(text, "nonexistent key"));
+      CHECK(since(t1) >= 1000ms);
+      CHECK(since(t1) <= 3000ms);
+    }
+    CHECK(since(t0) < 5000ms);  // init + get + destroy
+  }
+}
+
+namespace {
+
+// Scenario 2: ranks 0..2 enter the barrier, rank 3 never does; returns the three error texts.
+std::vector<std::string> barrier_with_missing_rank(
+    const std::function<std::shared_ptr<ds::Store>(int rank)>& make_store) {
+  constexpr int kWorld = 4;
+  std::vector<std::shared_ptr<ds::Store>> stores(kWorld);
+  std::vector<std::string> errors(kWorld);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        stores[rank] = make_store(rank);
+        if (rank == kWorld - 1) return;
+        ds::store_based_barrier(*stores[rank], rank, kWorld, "_", 1s, 500ms);
+        errors[rank] = "no error";
+      } catch (const distrpc::DistStoreError& e) {
+        errors[rank] = e.what();
+      } catch (const std::exception& e) {
+        errors[rank] = std::string("wrong exception type: ") + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // The TCP clients go before the server they talk to.
+  for (int rank = kWorld - 1; rank >= 0; --rank) stores[rank].reset();
+  return {errors.begin(), errors.begin() + kWorld - 1};
+}
+
+void check_barrier_errors(const std::vector<std::string>& errors, int joined) {
+  REQUIRE(errors.size() == 3);
+  for (int rank = 0; rank < 3; ++rank) {
+    INFO("rank " << rank << ": " << errors[rank]);
+    CHECK(contains(errors[rank], "Timed out initializing process group in store based barrier"));
+    CHECK(contains(errors[rank], "on rank " + std::to_string(rank)));
+    CHECK(contains(errors[rank], "store_based_barrier_key:_"));
+    CHECK(contains(errors[rank], "world_size=4"));
+    CHECK(contains(errors[rank], "num_workers_joined=" + std::to_string(joined)));
+    CHECK(contains(errors[rank], "timeout=1000 ms"));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("store: c10d scenario 2 - barrier times out with the c10d text when a rank is missing") {
+  SUBCASE("HashStore, a store per thread") {
+    const auto t0 = Clock::now();
+    check_barrier_errors(
+        barrier_with_missing_rank([](int) { return std::make_shared<ds::HashStore>(); }), 1);
+    CHECK(since(t0) < 3s);
+  }
+  SUBCASE("FileStore, four objects in one process sharing a file") {
+    TempDir dir;
+    const auto path = dir.file("barrier");
+    check_barrier_errors(
+        barrier_with_missing_rank([&](int) { return std::make_shared<ds::FileStore>(path); }), 3);
+  }
+  SUBCASE("TCPStore, one server and four clients, wait_for_workers=false") {
+    const int port = free_port();
+    check_barrier_errors(barrier_with_missing_rank([&](int rank) {
+                           // "localhost", as upstream: it may resolve to ::1 and 127.0.0.1.
+                           return std::make_shared<ds::TCPStore>("localhost", port, 4, rank == 0,
+                                                                 10s, false);
+                         }),
+                         3);
+  }
+}
+
+TEST_CASE("store: store_based_barrier passes when every rank enters, on every kind") {
+  for_each_kind([](Kind& kind) {
+    std::vector<std::shared_ptr<ds::Store>> stores;
+    for (int r = 0; r < 4; ++r) stores.push_back(kind.client());
+    std::vector<std::unique_ptr<Async>> ranks;
+    for (int r = 0; r < 4; ++r) {
+      ranks.push_back(std::make_unique<Async>([&, r] {
+        std::this_thread::sleep_for(milliseconds(20 * r));
+        ds::store_based_barrier(*stores[r], r, 4, "all_here", 10s);
+      }));
+    }
+    for (auto& r : ranks) CHECK_FALSE(r->join());
+    CHECK(stores[0]->add("store_based_barrier_key:all_here", 0) == 4);
+  });
+}
+
+DISTRPC_MP_TEST("store: c10d scenario 3 - 4-process barrier over tcp://, server rank exits last", 4,
+                60) {
+  std::string url = "tcp://127.0.0.1:0";
+  if (ctx.rank != 0) url = "tcp://127.0.0.1:" + ctx.lookup("port");
+  auto r = ds::rendezvous(url, ctx.rank, ctx.world, 30s);
+  REQUIRE(r.rank == ctx.rank);
+  REQUIRE(r.world_size == 4);
+  if (ctx.rank == 0) {
+    auto tcp = std::dynamic_pointer_cast<ds::TCPStore>(r.store);
+    REQUIRE(tcp);
+    CHECK(tcp->is_master());
+    ctx.publish("port", std::to_string(tcp->port()));
+  }
+  r.store->set("name/" + std::to_string(ctx.rank), std::to_string(::getpid()));
+  ds::store_based_barrier(*r.store, ctx.rank, ctx.world, "scenario3", 30s);
+  // After the barrier every rank's name is there without waiting.
+  std::vector<std::string> names;
+  for (int i = 0; i < ctx.world; ++i) names.push_back("name/" + std::to_string(i));
+  CHECK(r.store->check(names));
+  r.store->add("counter", ctx.rank + 1);
+  if (ctx.rank != 0) ctx.publish("finalizing_" + std::to_string(ctx.rank), "1");
+  ds::finalize_rendezvous(*r.store, ctx.rank, ctx.world, 30s);
+  if (ctx.rank == 0) {
+    // Everyone checked out before the server's host goes: its store (and server) may now close.
+    CHECK(r.store->add("distrpc_finalize:default", 0) == 4);
+    CHECK(r.store->add("counter", 0) == 1 + 2 + 3 + 4);
+    for (int i = 1; i < ctx.world; ++i)
+      CHECK(ctx.lookup("finalizing_" + std::to_string(i), 1s) == "1");
+  }
+}
+
+DISTRPC_MP_TEST("store: 4 processes race on add and compare_set through TCPStore and FileStore", 4,
+                60) {
+  constexpr int kAdds = 200;
+  constexpr int kSwaps = 25;
+  std::string url = "tcp://127.0.0.1:0";
+  if (ctx.rank != 0) url = "tcp://127.0.0.1:" + ctx.lookup("port");
+  auto tcp = ds::rendezvous(url, ctx.rank, ctx.world, 30s);
+  if (ctx.rank == 0) {
+    ctx.publish("port", std::to_string(std::dynamic_pointer_cast<ds::TCPStore>(tcp.store)->port()));
+  }
+  auto file = ds::rendezvous(ctx.file_url(), ctx.rank, ctx.world, 30s);
+  for (auto* s : {tcp.store.get(), file.store.get()}) {
+    ds::store_based_barrier(*s, ctx.rank, ctx.world, "start", 30s);
+    for (int i = 0; i < kAdds; ++i) s->add("adds", 1);
+    for (int i = 0; i < kSwaps; ++i) {
+      cas_increment(*s, "cas", std::to_string(ctx.rank) + "." + std::to_string(i));
+    }
+    ds::store_based_barrier(*s, ctx.rank, ctx.world, "done", 30s);
+    CHECK(s->add("adds", 0) == ctx.world * kAdds);
+    CHECK(cas_count(*s, "cas") == std::to_string(ctx.world * kSwaps));
+  }
+  ds::finalize_rendezvous(*file.store, ctx.rank, ctx.world, 30s);
+  ds::finalize_rendezvous(*tcp.store, ctx.rank, ctx.world, 30s);
+}
+
+// ---- TCPStore --------------------------------------------------------------------------------
+
+namespace {
+
+// Frames written by hand from the protocol description in tcp_store.hpp, independent of its code.
+std::vector<std::uint8_t> le32(std::uint32_t v) {
+  return {std::uint8_t(v), std::uint8_t(v >> 8), std::uint8_t(v >> 16), std::uint8_t(v >> 24)};
+}
+void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& more) {
+  out.insert(out.end(), more.begin(), more.end());
+}
+std::vector<std::uint8_t> frame(const std::vector<std::uint8_t>& body) {
+  auto out = le32(static_cast<std::uint32_t>(body.size()));
+  append(out, body);
+  return out;
+}
+std::vector<std::uint8_t> hello_frame() {
+  std::vector<std::uint8_t> body = {1};
+  append(body, le32(0x53545244));
+  append(body, {1, 0, 0});  // version 1, flags 0
+  return frame(body);
+}
+std::vector<std::uint8_t> str_field(const std::string& s) {
+  std::vector<std::uint8_t> out(4 + s.size());
+  const auto n = le32(static_cast<std::uint32_t>(s.size()));
+  std::copy(n.begin(), n.end(), out.begin());
+  std::copy(s.begin(), s.end(), out.begin() + 4);
+  return out;
+}
+
+class RawSocket {
+ public:
+  explicit RawSocket(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  }
+  ~RawSocket() { close(); }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  void send(const std::vector<std::uint8_t>& bytes) {
+    // Throws (rather than REQUIRE) so it can run on a helper thread.
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw std::runtime_error(std::string("send: ") + std::strerror(errno));
+      done += static_cast<std::size_t>(n);
+    }
+  }
+  void send(const std::string& bytes) {
+    send(std::vector<std::uint8_t>(bytes.begin(), bytes.end()));
+  }
+  // Reads until the peer closes (true) or `limit` passes with the connection open (false).
+  bool closed_by_peer(milliseconds limit = 2s) {
+    const auto t0 = Clock::now();
+    char buf[256];
+    while (since(t0) < limit) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return true;
+    }
+    return false;
+  }
+  // One reply frame: status byte then fields; nullopt if the connection closed or nothing came.
+  std::optional<std::vector<std::uint8_t>> reply(milliseconds limit = 2s) {
+    auto& in = in_;
+    const auto t0 = Clock::now();
+    while (since(t0) < limit) {
+      if (in.size() >= 4) {
+        const std::uint32_t len = in[0] | in[1] << 8 | in[2] << 16 | std::uint32_t(in[3]) << 24;
+        if (in.size() >= 4 + len) {
+          std::vector<std::uint8_t> out(in.begin() + 4, in.begin() + 4 + len);
+          in.erase(in.begin(), in.begin() + 4 + len);
+          return out;
+        }
+      }
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return std::nullopt;
+      in.insert(in.end(), buf, buf + n);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  int fd_ = -1;
+  std::vector<std::uint8_t> in_;  // bytes received beyond the last reply returned
+};
+
+// Sends stderr to a file while alive, so a test can read what the server logged.
+class StderrCapture {
+ public:
+  StderrCapture() : path_(dir_.file("stderr")) {
+    std::fflush(stderr);
+    saved_ = ::dup(STDERR_FILENO);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, STDERR_FILENO);
+    ::close(fd);
+  }
+  ~StderrCapture() {
+    std::fflush(stderr);
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+  }
+  std::string text() const {
+    std::fflush(stderr);
+    std::ifstream in(path_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  TempDir dir_;
+  std::string path_;
+  int saved_ = -1;
+};
+
+int count_of(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("TCPStore: hostile input closes only that connection, logged once, others keep working") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  const int port = master.port();
+  ds::TCPStore good("127.0.0.1", port, -1, false, 10s);
+  good.set("before", "1");
+  // A client blocked in get() across all of it must still get its answer.
+  std::string waited;
+  Async blocked([&] {
+    ds::TCPStore waiter("127.0.0.1", port, -1, false, 10s);
+    waited = waiter.get_string("after the storm");
+  });
+
+  StderrCapture log;
+  auto expect_closed = [&](const std::vector<std::uint8_t>& bytes, const std::string& reason,
+                           bool with_hello) {
+    INFO("expected reason: " << reason);
+    RawSocket raw(port);
+    if (with_hello) {
+      raw.send(hello_frame());
+      auto r = raw.reply();
+      REQUIRE(r);
+      CHECK((*r)[0] == 0);  // ok
+    }
+    raw.send(bytes);
+    CHECK(raw.closed_by_peer());
+    CHECK(count_of(log.text(), reason) == 1);
+    // The server is alive and serving: the good client works after each attack.
+    good.set("probe", reason);
+    CHECK(good.get_string("probe") == reason);
+  };
+
+  SUBCASE("garbage bytes (an HTTP request)") {
+    expect_closed(std::vector<std::uint8_t>{'G', 'E', 'T', ' ', '/', ' ', 'H', 'T', 'T', 'P'},
+                  "frame length 542393671 is outside", false);
+  }
+  SUBCASE("an absurd length prefix") {
+    expect_closed(le32(0xffffffffu), "frame length 4294967295 is outside", false);
+  }
+  SUBCASE("a zero length prefix") {
+    expect_closed(le32(0), "frame length 0 is outside", true);
+  }
+  SUBCASE("a request before the handshake") {
+    std::vector<std::uint8_t> body = {9};  // NUM_KEYS
+    expect_closed(frame(body), "not the TCPStore handshake", false);
+  }
+  SUBCASE("a wrong handshake magic") {
+    std::vector<std::uint8_t> body = {1, 'X', 'X', 'X', 'X', 1, 0, 1};
+    expect_closed(frame(body), "wrong handshake magic", false);
+  }
+  SUBCASE("an unknown opcode") {
+    expect_closed(frame({0x7f}), "unknown opcode 0x7f", true);
+  }
+  SUBCASE("a field running past its frame") {
+    std::vector<std::uint8_t> body = {2};  // SET with a key length of 1000 in a short frame
+    append(body, le32(1000));
+    append(body, {'a', 'b'});
+    expect_closed(frame(body), "the frame ends inside the key", true);
+  }
+  SUBCASE("an absurd key count") {
+    std::vector<std::uint8_t> body = {7};  // WAIT
+    append(body, le32(0xffffffffu));
+    expect_closed(frame(body), "key count 4294967295 exceeds", true);
+  }
+  SUBCASE("bytes after the last field") {
+    expect_closed(frame({9, 0, 0}), "2 unexpected bytes after the last field", true);
+  }
+  SUBCASE("a truncated frame, then close") {
+    RawSocket raw(port);
+    raw.send(hello_frame());
+    REQUIRE(raw.reply());
+    auto bytes = le32(100);
+    append(bytes, {2, 0, 0});
+    raw.send(bytes);
+    raw.close();
+    // The server notices EOF inside a frame and says how much had come.
+    const auto t0 = Clock::now();
+    while (!contains(log.text(), "disconnected mid-request") && since(t0) < 2s) {
+      std::this_thread::sleep_for(10ms);
+    }
+    CHECK(count_of(log.text(), "disconnected mid-request (7 bytes of an unfinished frame") == 1);
+    good.set("probe", "x");
+    CHECK(good.get_string("probe") == "x");
+  }
+  SUBCASE("an oversized key in a well-formed frame is refused, the connection stays") {
+    RawSocket raw(port);
+    raw.send(hello_frame());
+    REQUIRE(raw.reply());
+    std::vector<std::uint8_t> body = {2};
+    append(body, str_field(std::string(ds::Store::kMaxKeyBytes + 1, 'k')));
+    append(body, str_field("v"));
+    raw.send(frame(body));
+    auto r = raw.reply();
+    REQUIRE(r);
+    CHECK((*r)[0] == 2);  // error
+    const std::string text(r->begin() + 5, r->end());
+    CHECK(contains(text, std::to_string(ds::Store::kMaxKeyBytes + 1) + " bytes"));
+    raw.send(frame({9}));  // NUM_KEYS on the same connection still answers
+    r = raw.reply();
+    REQUIRE(r);
+    CHECK((*r)[0] == 0);
+  }
+
+  good.set("after the storm", "calm");
+  CHECK_FALSE(blocked.join());
+  CHECK(waited == "calm");
+  CHECK(good.get_string("before") == "1");
+}
+
+namespace {
+long rss_kib() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("TCPStore: a client that pipelines requests and reads nothing cannot pile up replies") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  master.set("v", ds::Bytes(16 * 1024, 'v'));
+  RawSocket raw(master.port());
+  raw.send(hello_frame());
+  REQUIRE(raw.reply());
+  // 10,000 GETs of a 16 KiB value: 160 MiB of replies if the server queued them all.
+  constexpr int kRequests = 10'000;
+  std::vector<std::uint8_t> body = {3};
+  append(body, str_field("v"));
+  append(body, {0, 0, 0, 0, 0, 0, 0, 0});  // no timeout
+  const auto one = frame(body);
+  std::vector<std::uint8_t> all;
+  for (int i = 0; i < kRequests; ++i) append(all, one);
+  const long before = rss_kib();
+  // On its own thread: once the server stops reading, this send blocks until replies are read.
+  Async sender([&] { raw.send(all); });
+  std::this_thread::sleep_for(300ms);
+  const long grown = rss_kib() - before;
+  CHECK(grown < 64 * 1024);
+  // Then every reply arrives, in order, intact.
+  int good = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    auto r = raw.reply(5s);
+    if (!r) break;
+    if (r->size() == 1 + 4 + 16 * 1024 && (*r)[0] == 0 && (*r)[5] == 'v') ++good;
+  }
+  CHECK(good == kRequests);
+  CHECK_FALSE(sender.join());
+  CHECK(master.get("v").size() == 16 * 1024);
+}
+
+TEST_CASE("TCPStore: a connection that never shakes hands is closed after handshake_timeout") {
+  ds::TCPStoreOptions opts;
+  opts.is_master = true;
+  opts.timeout = 5s;
+  opts.handshake_timeout = 300ms;
+  ds::TCPStore master(opts);
+  StderrCapture log;
+  RawSocket silent(master.port());
+  const auto t0 = Clock::now();
+  CHECK(silent.closed_by_peer(3s));
+  CHECK(since(t0) >= 250ms);
+  CHECK(count_of(log.text(), "no handshake within 300 ms") == 1);
+  // A client that did shake hands may stay idle for longer.
+  ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
+  std::this_thread::sleep_for(500ms);
+  client.set("idle", "fine");
+  CHECK(master.get_string("idle") == "fine");
+}
+
+TEST_CASE("TCPStore: a client connects to a server that starts later") {
+  const int port = free_port();
+  std::shared_ptr<ds::TCPStore> client;
+  Async connecting(
+      [&] { client = std::make_shared<ds::TCPStore>("127.0.0.1", port, 2, false, 5s); });
+  std::this_thread::sleep_for(300ms);
+  ds::TCPStore master("127.0.0.1", port, 2, true, 5s);
+  CHECK_FALSE(connecting.join());
+  REQUIRE(client);
+  client->set("k", "v");
+  CHECK(master.get_string("k") == "v");
+  client.reset();
+}
+
+TEST_CASE("TCPStore: no server within the timeout is a DistNetworkError naming host:port") {
+  const int port = free_port();
+  const auto t0 = Clock::now();
+  const auto text = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore client("127.0.0.1", port, 2, false, 300ms); });
+  CHECK(contains(text, "127.0.0.1:" + std::to_string(port)));
+  CHECK(contains(text, "300 ms"));
+  CHECK(contains(text, "Connection refused"));
+  CHECK(since(t0) >= 290ms);
+  CHECK(since(t0) < 3s);
+}
+
+TEST_CASE("TCPStore: bad constructor arguments are refused with their values") {
+  CHECK(
+      contains(thrown_text<distrpc::DistError>([] { ds::TCPStore s("127.0.0.1", 70000, 1, true); }),
+               "port 70000"));
+  CHECK(contains(thrown_text<distrpc::DistError>([] { ds::TCPStore s("127.0.0.1", 0, 1, false); }),
+                 "port 0"));
+  CHECK(contains(
+      thrown_text<distrpc::DistError>([] { ds::TCPStore s("127.0.0.1", 0, -1, true, 1s, true); }),
+      "wait_for_workers=true needs world_size > 0"));
+  ds::TCPStore first("127.0.0.1", 0, 1, true, 1s);
+  const auto text = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore second("127.0.0.1", first.port(), 1, true, 1s); });
+  CHECK(contains(text, "cannot listen on 127.0.0.1:" + std::to_string(first.port())));
+}
+
+TEST_CASE("TCPStore: wait_for_workers=true makes the master's constructor wait for the clients") {
+  SUBCASE("returns once world_size objects connected") {
+    const int port = free_port();
+    std::atomic<bool> constructed{false};
+    std::unique_ptr<ds::TCPStore> master;
+    Async hosting([&] {
+      master = std::make_unique<ds::TCPStore>("127.0.0.1", port, 3, true, 5s, true);
+      constructed = true;
+    });
+    std::this_thread::sleep_for(200ms);
+    CHECK_FALSE(constructed.load());
+    ds::TCPStore c1("127.0.0.1", port, 3, false, 5s);
+    std::this_thread::sleep_for(200ms);
+    CHECK_FALSE(constructed.load());
+    ds::TCPStore c2("127.0.0.1", port, 3, false, 5s);
+    CHECK_FALSE(hosting.join());
+    CHECK(constructed.load());
+    c2.set("x", "y");
+    CHECK(master->get_string("x") == "y");
+  }
+  SUBCASE("times out saying how many joined") {
+    const auto t0 = Clock::now();
+    const auto text = thrown_text<ds::StoreTimeoutError>(
+        [] { ds::TCPStore master("127.0.0.1", 0, 3, true, 300ms, true); });
+    CHECK(contains(text, "Timeout after 300 ms"));
+    CHECK(contains(text, "1/3 joined"));
+    CHECK(since(t0) < 2s);
+  }
+  SUBCASE("false does not block") {
+    const auto t0 = Clock::now();
+    ds::TCPStore master("127.0.0.1", 0, 8, true, 5s, false);
+    CHECK(since(t0) < 1s);
+  }
+}
+
+TEST_CASE("TCPStore: threads sharing one object do not queue behind a blocked get") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 5s);
+  ds::TCPStore shared("127.0.0.1", master.port(), -1, false, 5s);
+  std::string got;
+  Async getter([&] { got = shared.get_string("from the same object"); });
+  std::this_thread::sleep_for(100ms);
+  const auto t0 = Clock::now();
+  shared.set("from the same object", "no deadlock");
+  CHECK(since(t0) < 1s);
+  CHECK_FALSE(getter.join());
+  CHECK(got == "no deadlock");
+}
+
+TEST_CASE("TCPStore: destroying the server wakes blocked clients with an error, promptly") {
+  auto master = std::make_unique<ds::TCPStore>("127.0.0.1", 0, -1, true, 30s);
+  ds::TCPStore client("127.0.0.1", master->port(), -1, false, 30s);
+  Clock::time_point woken;
+  std::optional<std::string> error;
+  {
+    Async blocked([&] {
+      try {
+        client.get("never set");
+      } catch (...) {
+        woken = Clock::now();
+        throw;
+      }
+    });
+    std::this_thread::sleep_for(200ms);
+    const auto t0 = Clock::now();
+    master.reset();
+    CHECK(since(t0) < 2s);  // the destructor does not hang
+    error = blocked.join();
+    CHECK(woken - t0 < 2s);
+  }
+  REQUIRE(error);
+  CHECK(contains(*error, "lost"));
+  CHECK(contains(*error, "never set"));
+  // Later operations fail fast instead of waiting for a timeout.
+  const auto t1 = Clock::now();
+  CHECK_THROWS_AS(client.set("k", "v"), distrpc::DistNetworkError);
+  CHECK(since(t1) < 1s);
+}
+
+// ---- FileStore ---------------------------------------------------------------------------------
+
+TEST_CASE("FileStore: a path that cannot be opened names the path and the reason") {
+  const auto text =
+      thrown_text<distrpc::DistStoreError>([] { ds::FileStore s("/proc/nonexistent/x"); });
+  CHECK(contains(text, "/proc/nonexistent/x"));
+  CHECK(contains(text, "No such file or directory"));
+}
+
+TEST_CASE("FileStore: a file that is not a store is refused, not overwritten") {
+  TempDir dir;
+  const auto path = dir.file("notes.txt");
+  std::ofstream(path) << "my notes";
+  const auto text = thrown_text<distrpc::DistStoreError>([&] { ds::FileStore s(path); });
+  CHECK(contains(text, path));
+  CHECK(contains(text, "is not a FileStore file"));
+  std::ifstream in(path);
+  std::string content;
+  std::getline(in, content);
+  CHECK(content == "my notes");
+}
+
+TEST_CASE("FileStore: the last of world_size objects removes the file; world_size -1 keeps it") {
+  TempDir dir;
+  const auto path = dir.file("cleanup");
+  {
+    auto a = std::make_unique<ds::FileStore>(path, 2);
+    auto b = std::make_unique<ds::FileStore>(path, 2);
+    a->set("k", "v");
+    a.reset();
+    CHECK(fs::exists(path));
+    CHECK(b->get_string("k") == "v");
+    b.reset();
+    CHECK_FALSE(fs::exists(path));
+  }
+  {
+    auto a = std::make_unique<ds::FileStore>(path);
+    a->set("k", "v");
+    a.reset();
+    CHECK(fs::exists(path));
+    // And a new object reads what the file holds.
+    ds::FileStore again(path);
+    CHECK(again.get_string("k") == "v");
+  }
+}
+
+// ---- rendezvous ------------------------------------------------------------------------------
+
+namespace {
+
+// Sets or unsets environment variables for one scope, restoring what was there.
+class EnvGuard {
+ public:
+  void set(const char* name, const char* value) {
+    remember(name);
+    if (value) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~EnvGuard() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) {
+        ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      } else {
+        ::unsetenv(it->first.c_str());
+      }
+    }
+  }
+
+ private:
+  void remember(const char* name) {
+    const char* old = std::getenv(name);
+    saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+std::string rendezvous_error(const std::string& url, int rank = 0, int world = 1) {
+  return thrown_text<distrpc::DistError>([&] { ds::rendezvous(url, rank, world, 1s); });
+}
+
+}  // namespace
+
+TEST_CASE("rendezvous: malformed URLs quote the URL and say which form is expected") {
+  auto text = rendezvous_error("tcp://127.0.0.1");
+  CHECK(contains(text, "malformed URL 'tcp://127.0.0.1'"));
+  CHECK(contains(text, "no port"));
+  CHECK(contains(text, "tcp://host:port"));
+  CHECK(contains(rendezvous_error("127.0.0.1:29500"), "no scheme"));
+  CHECK(contains(rendezvous_error("tcp://:29500"), "empty host"));
+  text = rendezvous_error("tcp://127.0.0.1:99999");
+  CHECK(contains(text, "port '99999' is not a number in 0..65535"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:http"), "port 'http'"));
+  CHECK(contains(rendezvous_error("tcp://[::1"), "IPv6"));
+  text = rendezvous_error("udp://127.0.0.1:1");
+  CHECK(contains(text, "unknown scheme 'udp'"));
+  CHECK(contains(text, "env://"));
+  CHECK(contains(rendezvous_error("file://relative/path"), "absolute path"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1?rank=x"), "rank='x' is not"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1?ranks=1"), "unknown query parameter 'ranks'"));
+  CHECK(contains(rendezvous_error("env://somewhere"), "env:// takes nothing"));
+}
+
+TEST_CASE("rendezvous: rank and world size from arguments or the URL, checked") {
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", -1, 2), "rank missing"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", 0, -1), "world_size missing"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", 2, 2), "rank 2 is not below world_size 2"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1?rank=1&world_size=2", 0, 2),
+                 "rank 0 given as an argument but 1 in the URL"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:0", 1, 2), "port 0"));
+
+  auto r = ds::rendezvous("tcp://127.0.0.1:0?rank=0&world_size=1", -1, -1, 5s);
+  CHECK(r.rank == 0);
+  CHECK(r.world_size == 1);
+  r.store->set("k", "v");
+  CHECK(r.store->get_string("k") == "v");
+
+  TempDir dir;
+  auto f = ds::rendezvous("file://" + dir.file("rdv") + "?world_size=1", 0, -1, 5s);
+  CHECK(f.world_size == 1);
+  REQUIRE(std::dynamic_pointer_cast<ds::FileStore>(f.store));
+  f.store->set("k", "v");
+  CHECK(f.store->get_string("k") == "v");
+}
+
+TEST_CASE("rendezvous: env:// names the missing or bad variable") {
+  EnvGuard env;
+  env.set("MASTER_ADDR", nullptr);
+  env.set("MASTER_PORT", nullptr);
+  env.set("RANK", nullptr);
+  env.set("WORLD_SIZE", nullptr);
+  CHECK(contains(rendezvous_error("env://"),
+                 "environment variable MASTER_ADDR expected, but not set"));
+  env.set("MASTER_ADDR", "127.0.0.1");
+  CHECK(contains(rendezvous_error("env://"),
+                 "environment variable MASTER_PORT expected, but not set"));
+  env.set("MASTER_PORT", "twelve");
+  CHECK(contains(rendezvous_error("env://"), "MASTER_PORT='twelve' is not an integer"));
+  env.set("MASTER_PORT", "0");
+  CHECK(contains(rendezvous_error("env://", -1, 1), "environment variable RANK expected"));
+  env.set("RANK", "0");
+  CHECK(contains(rendezvous_error("env://", -1, -1),
+                 "environment variable WORLD_SIZE expected, but not set"));
+  env.set("WORLD_SIZE", "1");
+  auto r = ds::rendezvous("env://", -1, -1, 5s);
+  CHECK(r.rank == 0);
+  CHECK(r.world_size == 1);
+  auto tcp = std::dynamic_pointer_cast<ds::TCPStore>(r.store);
+  REQUIRE(tcp);
+  CHECK(tcp->is_master());
+  r.store->set("k", "v");
+  CHECK(r.store->get_string("k") == "v");
+}
+
+TEST_CASE("finalize_rendezvous: rank 0 waits for every rank, and times out saying how many") {
+  auto hash = std::make_shared<ds::HashStore>();
+  std::atomic<bool> rank0_done{false};
+  Async rank0([&] {
+    ds::finalize_rendezvous(*hash, 0, 3, 5s);
+    rank0_done = true;
+  });
+  ds::finalize_rendezvous(*hash, 1, 3, 5s);
+  std::this_thread::sleep_for(100ms);
+  CHECK_FALSE(rank0_done.load());
+  ds::finalize_rendezvous(*hash, 2, 3, 5s);
+  CHECK_FALSE(rank0.join());
+  CHECK(rank0_done.load());
+
+  ds::HashStore alone;
+  const auto text = thrown_text<ds::StoreTimeoutError>(
+      [&] { ds::finalize_rendezvous(alone, 0, 2, 100ms, "lonely"); });
+  CHECK(contains(text, "Timeout after 100 ms"));
+  CHECK(contains(text, "1 done"));
+}
