@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs the flagship example on loopback.
+# Installs what is missing, builds, and runs the flagship examples on loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/deps.sh
 distrpc_install_deps
 distrpc_build build
-echo "== flagship: 4 local processes rendezvous through a TCP store on 127.0.0.1"
+echo "== 4 local processes rendezvous through a TCP store on 127.0.0.1"
 ./build/examples/rendezvous --world 4
+echo
+echo "== 4 local workers call each other over RPC (TCP on 127.0.0.1)"
+./build/examples/hello_rpc --world 4

@@ -14,8 +14,8 @@
 
 #include "multiprocess.hpp"
 
-using distrpc::testing::RunOptions;
 using distrpc::testing::run_ranks;
+using distrpc::testing::RunOptions;
 
 DISTRPC_MP_TEST("harness: every rank runs in its own process", 3, 30) {
   CHECK(ctx.world == 3);

@@ -33,9 +33,9 @@
 //         e(std::function<void()>)           (a lambda / function object)
 //     std::ref(pool) is accepted too. If posting throws, then()'s child fails with that error.
 //   - The RPC layer tags the futures it hands out with its callback pool
-//     (detail::set_callback_executor): their plain then(cb) / add_done_callback(cb) callbacks, and
-//     those of futures completed as a consequence on the completing thread, are posted there
-//     instead of running on the I/O thread that completes them.
+//     (detail::set_callback_executor): the callbacks registered before completion are posted
+//     there as ONE task that runs them in registration order (futures they complete run their
+//     callbacks inline on that pool thread), instead of running on the I/O thread.
 //   - A callback that throws: in then(), the exception fails only the child future; in
 //     add_done_callback() it is logged to stderr and dropped; later callbacks still run.
 //
@@ -245,8 +245,24 @@ class StateBase {
     // `self` keeps the state alive even if a woken waiter drops the last other handle.
     self->cv_.notify_all();
     const ExecutorFn* ex = own ? own.get() : inherited_executor;
-    InheritedExecutorScope inherit(ex);
-    for (auto& cb : callbacks) cb(self, ex);  // every Callback catches its own exceptions
+    if (ex != nullptr && !callbacks.empty()) {
+      // One task runs them all, in registration order, on the executor; inside it they run
+      // inline (a pool thread may run user code), and so do completions they cause.
+      auto shared = std::make_shared<std::vector<Callback>>(std::move(callbacks));
+      try {
+        (*ex)([self, shared, keep = own] {
+          InheritedExecutorScope inherit(nullptr);
+          for (auto& cb : *shared) cb(self, nullptr);
+        });
+        return true;
+      } catch (...) {
+        // The executor refused (e.g. shutting down): each callback meets the refusal on its own
+        // terms (a then-child fails with it, a done-callback logs it, library bookkeeping runs).
+        for (auto& cb : *shared) cb(self, ex);
+        return true;
+      }
+    }
+    for (auto& cb : callbacks) cb(self, nullptr);  // every Callback catches its own exceptions
     return true;
   }
 

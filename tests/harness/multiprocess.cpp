@@ -33,7 +33,7 @@ constexpr const char* kEnvDir = "DISTRPC_MP_DIR";
 
 // Parsed once: the environment of a rank process does not change its identity later.
 std::optional<RankContext>& child_context() {
-  static std::optional<RankContext> ctx = [] () -> std::optional<RankContext> {
+  static std::optional<RankContext> ctx = []() -> std::optional<RankContext> {
     const char* rank = std::getenv(kEnvRank);
     const char* world = std::getenv(kEnvWorld);
     const char* dir = std::getenv(kEnvDir);
@@ -70,8 +70,8 @@ std::string make_run_dir() {
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (!mkdtemp(buf.data())) {
-    throw std::runtime_error("multiprocess harness: mkdtemp(" + tmpl + ") failed: " +
-                             std::strerror(errno));
+    throw std::runtime_error("multiprocess harness: mkdtemp(" + tmpl +
+                             ") failed: " + std::strerror(errno));
   }
   return std::string(buf.data());
 }
@@ -219,7 +219,9 @@ RunResult run_impl(const std::string& case_name, const RunOptions& opts, bool is
 
 }  // namespace
 
-std::string RankContext::file_url() const { return "file://" + dir + "/rendezvous"; }
+std::string RankContext::file_url() const {
+  return "file://" + dir + "/rendezvous";
+}
 
 void RankContext::publish(const std::string& key, const std::string& value) const {
   const fs::path final_path = fs::path(dir) / ("kv." + key);
@@ -249,8 +251,8 @@ std::string RankContext::lookup(const std::string& key, std::chrono::millisecond
 
 std::string RunResult::report() const {
   std::ostringstream out;
-  out << "multi-process run " << (ok ? "passed" : "FAILED") << " after " << elapsed.count()
-      << " ms" << (timed_out ? " (wall-clock limit reached: hung ranks killed)" : "") << "\n";
+  out << "multi-process run " << (ok ? "passed" : "FAILED") << " after " << elapsed.count() << " ms"
+      << (timed_out ? " (wall-clock limit reached: hung ranks killed)" : "") << "\n";
   for (const auto& r : ranks) {
     out << "---- rank " << r.rank << ": ";
     if (r.killed_by_harness) {

@@ -29,7 +29,8 @@ struct RankContext {
   std::string file_url() const;
 
   // Tiny file-based exchange between ranks of one run, independent of the code under test:
-  // publish() writes atomically, lookup() polls until the key exists or the timeout passes (throws).
+  // publish() writes atomically, lookup() polls until the key exists or the timeout passes
+  // (throws).
   void publish(const std::string& key, const std::string& value) const;
   std::string lookup(const std::string& key,
                      std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
@@ -83,26 +84,26 @@ void run_multiprocess_case(const char* name, int world, int limit_seconds);
 // A multi-process test: `world` ranks, the whole run killed and failed after `limit_seconds`.
 #define DISTRPC_MP_TEST(name, world, limit_seconds) \
   DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, DISTRPC_MP_CAT(distrpc_mp_body_, __LINE__))
-#define DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, body)                         \
-  static void body(const ::distrpc::testing::RankContext& ctx);                        \
-  TEST_CASE(name) {                                                                    \
-    if (::distrpc::testing::detail::is_rank_of(name)) {                                \
-      body(*::distrpc::testing::current_rank());                                       \
-    } else {                                                                           \
-      ::distrpc::testing::detail::run_multiprocess_case(name, world, limit_seconds);   \
-    }                                                                                  \
-  }                                                                                    \
+#define DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, body)                       \
+  static void body(const ::distrpc::testing::RankContext& ctx);                      \
+  TEST_CASE(name) {                                                                  \
+    if (::distrpc::testing::detail::is_rank_of(name)) {                              \
+      body(*::distrpc::testing::current_rank());                                     \
+    } else {                                                                         \
+      ::distrpc::testing::detail::run_multiprocess_case(name, world, limit_seconds); \
+    }                                                                                \
+  }                                                                                  \
   static void body([[maybe_unused]] const ::distrpc::testing::RankContext& ctx)
 
 // A body that runs only as a rank started explicitly by run_ranks() (skipped in a normal run):
 // for tests that expect a run to fail, hang or crash and assert on the RunResult.
 #define DISTRPC_MP_TARGET(name) \
   DISTRPC_MP_TARGET_IMPL(name, DISTRPC_MP_CAT(distrpc_mp_target_, __LINE__))
-#define DISTRPC_MP_TARGET_IMPL(name, body)                                     \
-  static void body(const ::distrpc::testing::RankContext& ctx);                \
-  TEST_CASE(name* doctest::skip()) {                                           \
-    if (::distrpc::testing::detail::is_rank_of(name)) {                        \
-      body(*::distrpc::testing::current_rank());                               \
-    }                                                                          \
-  }                                                                            \
+#define DISTRPC_MP_TARGET_IMPL(name, body)                      \
+  static void body(const ::distrpc::testing::RankContext& ctx); \
+  TEST_CASE(name* doctest::skip()) {                            \
+    if (::distrpc::testing::detail::is_rank_of(name)) {         \
+      body(*::distrpc::testing::current_rank());                \
+    }                                                           \
+  }                                                             \
   static void body([[maybe_unused]] const ::distrpc::testing::RankContext& ctx)

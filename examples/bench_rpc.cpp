@@ -1,0 +1,199 @@
+// bench_rpc: distrpc's RPC figures, with the keys of ../shared/bench/torch_rpc_ref.py so the two
+// can be compared side by side. Starts its own two worker processes on loopback (re-executing
+// this binary; no fork) and prints one JSON object.
+//
+//   build/examples/bench_rpc [--transport tcp] [--small N] [--big N] [--async N]
+//
+// echo_small_us    median round trip of rpc_sync(ident, tensor of 4 floats)
+// echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
+// async_small_cps  completed calls per second with 64 small rpc_async in flight
+// remote_fwd_us, dist_step_us: null until RemoteModule and distributed autograd exist.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "distrpc/distrpc.hpp"
+#include "distrpc/transport/tcp.hpp"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+at::Tensor ident(at::Tensor t) {
+  return t;
+}
+
+struct Args {
+  std::string transport = "tcp";
+  int rank = -1;  // -1: the launcher
+  std::string init;
+  std::string out;
+  int small = 2000;
+  int big = 10;
+  int async_calls = 5000;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument("missing value after " + k);
+      return argv[++i];
+    };
+    if (k == "--transport") {
+      a.transport = next();
+    } else if (k == "--rank") {
+      a.rank = std::stoi(next());
+    } else if (k == "--init") {
+      a.init = next();
+    } else if (k == "--out") {
+      a.out = next();
+    } else if (k == "--small") {
+      a.small = std::stoi(next());
+    } else if (k == "--big") {
+      a.big = std::stoi(next());
+    } else if (k == "--async") {
+      a.async_calls = std::stoi(next());
+    } else {
+      throw std::invalid_argument("unknown argument '" + k +
+                                  "' (expected --transport tcp, --small N, --big N, --async N)");
+    }
+  }
+  if (a.transport != "tcp") {
+    throw std::invalid_argument("unknown transport '" + a.transport + "': this build has: tcp");
+  }
+  return a;
+}
+
+template <class F>
+double median_us(F&& fn, int n, int warm) {
+  for (int i = 0; i < warm; ++i) fn();
+  std::vector<double> lat;
+  lat.reserve(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  std::sort(lat.begin(), lat.end());
+  return lat[lat.size() / 2];
+}
+
+int run_worker(const Args& a) {
+  distrpc::RpcBackendOptions opts;
+  opts.init_method = a.init;
+  opts.num_worker_threads = 8;
+  opts.rpc_timeout = std::chrono::seconds(120);
+  distrpc::init_rpc<distrpc::transport::Tcp>("worker" + std::to_string(a.rank), a.rank, 2, opts);
+  if (a.rank == 0) {
+    const at::Tensor small = torch::ones({4});
+    const double echo_small = median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", small); },
+                                        a.small, a.small / 10);
+    const at::Tensor big = torch::ones({16 * 1024 * 1024});
+    const double big_us =
+        median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", big); }, a.big, 1);
+    const double gbps = 2.0 * static_cast<double>(big.nbytes()) / (big_us / 1e6) / 1e9;
+    std::deque<distrpc::Future<at::Tensor>> inflight;
+    auto t0 = Clock::now();
+    for (int i = 0; i < a.async_calls; ++i) {
+      inflight.push_back(distrpc::rpc_async<&ident>("worker1", small));
+      if (inflight.size() >= 64) {
+        inflight.front().wait();
+        inflight.pop_front();
+      }
+    }
+    for (auto& f : inflight) f.wait();
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double cps = a.async_calls / secs;
+    std::ofstream out(a.out);
+    char buf[512];
+    std::snprintf(buf, sizeof buf,
+                  "{\"transport\": \"%s\", \"echo_small_us\": %.1f, \"echo_64MiB_GBps\": %.3f, "
+                  "\"async_small_cps\": %.0f, \"remote_fwd_us\": null, \"dist_step_us\": null}",
+                  a.transport.c_str(), echo_small, gbps, cps);
+    out << buf << "\n";
+  }
+  distrpc::shutdown();
+  return 0;
+}
+
+int launch(const Args& a) {
+  namespace fs = std::filesystem;
+  char tmpl[] = "/tmp/distrpc-bench-XXXXXX";
+  if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
+  const std::string dir = tmpl;
+  const std::string init = "file://" + dir + "/rendezvous";
+  const std::string out = dir + "/result.json";
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> args = {self,
+                                     "--rank",
+                                     std::to_string(r),
+                                     "--init",
+                                     init,
+                                     "--out",
+                                     out,
+                                     "--transport",
+                                     a.transport,
+                                     "--small",
+                                     std::to_string(a.small),
+                                     "--big",
+                                     std::to_string(a.big),
+                                     "--async",
+                                     std::to_string(a.async_calls)};
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+      throw std::runtime_error("posix_spawn failed");
+    }
+    pids.push_back(pid);
+  }
+  int rc = 0;
+  for (pid_t p : pids) {
+    int st = 0;
+    waitpid(p, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
+  }
+  std::ifstream in(out);
+  std::string line;
+  std::getline(in, line);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  if (rc != 0 || line.empty()) {
+    std::fprintf(stderr, "bench_rpc: a worker failed\n");
+    return 1;
+  }
+  std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args a = parse(argc, argv);
+    return a.rank < 0 ? launch(a) : run_worker(a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_rpc: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,750 @@
+// RpcAgent: the transport-agnostic heart of RPC, and Agent<Transport>, which binds it to a policy.
+//
+// The agent owns the worker table, request ids, pending calls and their timeouts, the two
+// executors (a fixed request pool and an elastic callback pool), the dispatch of incoming
+// requests through the Registry, the all-gather state used by barriers and graceful shutdown,
+// and the counters of the group-wide join. It moves only wire::Message values; the typed API
+// (rpc.hpp) encodes and decodes them. See docs/threading.md for which thread runs what.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "distrpc/error.hpp"
+#include "distrpc/future.hpp"
+#include "distrpc/options.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/rpc_error.hpp"
+#include "distrpc/store/store.hpp"
+#include "distrpc/thread_pool.hpp"
+#include "distrpc/transport/transport.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/worker_info.hpp"
+
+namespace distrpc {
+
+using std::chrono::milliseconds;
+
+inline std::string timeout_text(milliseconds t) {
+  return "RPC ran for more than set timeout (" + std::to_string(t.count()) +
+         " ms) and will now be marked with an error";
+}
+
+// Counters the graceful-shutdown join compares across the group (user calls only).
+struct WorkCounters {
+  std::uint64_t client_sent = 0;    // requests this worker sent
+  std::uint64_t client_done = 0;    // of those, answered, failed or timed out
+  std::uint64_t server_active = 0;  // requests being run here (including pending async ones)
+
+  friend bool operator==(const WorkCounters&, const WorkCounters&) = default;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(client_sent, client_done, server_active);
+  }
+};
+
+class RpcAgent {
+ public:
+  RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
+      : self_(std::move(self)),
+        world_size_(world_size),
+        options_(opts),
+        default_timeout_(opts.rpc_timeout),
+        request_pool_("rpc-request", static_cast<std::size_t>(std::max(1, opts.num_worker_threads)),
+                      static_cast<std::size_t>(std::max(1, opts.num_worker_threads))),
+        // Callbacks may block on nested calls: this pool grows instead of starving them.
+        callback_pool_("rpc-callback", 2, 1024),
+        timer_([this] { run_timer(); }) {}
+
+  virtual ~RpcAgent() {
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      timer_stop_ = true;
+    }
+    timer_cv_.notify_all();
+    if (timer_.joinable()) timer_.join();
+  }
+  RpcAgent(const RpcAgent&) = delete;
+  RpcAgent& operator=(const RpcAgent&) = delete;
+
+  // ---- identity and group ----------------------------------------------------------------
+  const WorkerInfo& self() const { return self_; }
+  int world_size() const { return world_size_; }
+  const RpcBackendOptions& options() const { return options_; }
+  virtual std::string transport_name() const = 0;
+
+  WorkerInfo worker(const std::string& name) const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) {
+      throw RpcError("could not find destination named '" + name + "' among the " +
+                     std::to_string(workers_.size()) + " workers of this group (on " + self_.str() +
+                     ")");
+    }
+    return workers_[static_cast<std::size_t>(it->second)];
+  }
+  WorkerInfo worker(int id) const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    if (id < 0 || id >= static_cast<int>(workers_.size())) {
+      throw RpcError("could not find destination with id " + std::to_string(id) +
+                     ": worker ids are 0.." +
+                     std::to_string(static_cast<int>(workers_.size()) - 1));
+    }
+    return workers_[static_cast<std::size_t>(id)];
+  }
+  WorkerInfo worker(const WorkerInfo& w) const {
+    WorkerInfo known = worker(w.id);
+    if (known.name != w.name) {
+      throw RpcError("could not find destination " + w.str() + ": worker " + std::to_string(w.id) +
+                     " is " + known.str());
+    }
+    return known;
+  }
+  std::vector<WorkerInfo> workers() const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    return workers_;
+  }
+
+  // ---- timeouts ----------------------------------------------------------------------------
+  milliseconds default_timeout() const { return default_timeout_.load(); }
+  void set_default_timeout(milliseconds t) {
+    if (t.count() < 0) {
+      throw std::invalid_argument("RPC timeout must be >= 0 ms (0 means no limit), got " +
+                                  std::to_string(t.count()) + " ms");
+    }
+    default_timeout_.store(t);
+  }
+  // The timeout a call made now uses: an explicit one, or the default read at this moment.
+  milliseconds effective_timeout(milliseconds requested) const {
+    if (requested == kUnsetRpcTimeout) return default_timeout();
+    if (requested.count() < 0) {
+      throw std::invalid_argument("RPC timeout must be >= 0 ms (0 means no limit), got " +
+                                  std::to_string(requested.count()) + " ms");
+    }
+    return requested;
+  }
+
+  // ---- calls -------------------------------------------------------------------------------
+  // Sends a request (header + arguments already encoded) and returns the future of the response
+  // message. `what` names the call in error texts. Errors (unreachable peer, shut down, timeout,
+  // peer lost, remote exception) arrive through the future.
+  Future<wire::Message> call(const WorkerInfo& to, wire::Message&& request, milliseconds timeout,
+                             bool internal, const std::string& what) {
+    // No callback executor here: the typed layer decodes inline (library code) and puts the
+    // executor on the future the user sees.
+    Future<wire::Message> fut;
+    if (stopped_.load()) {
+      fut.set_exception(
+          RpcError("RPC has not been initialized or has been shut down: cannot call " + what +
+                   " on " + to.str()));
+      return fut;
+    }
+    const std::uint64_t id = next_id_.fetch_add(1) + 1;
+    request.type = wire::MessageType::Request;
+    request.id = id;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      Pending p{to, fut, timeout, internal, what, deadlines_.end()};
+      if (timeout.count() > 0) {
+        p.deadline = deadlines_.emplace(Clock::now() + timeout, id);
+      }
+      calls_.emplace(id, std::move(p));
+      if (!internal) ++counters_.client_sent;
+    }
+    if (timeout.count() > 0) timer_cv_.notify_one();
+    if (to.id == self_.id) {
+      // A call to self skips the transport but keeps value semantics: the callee gets copies.
+      detail_clone_buffers(request);
+      if (!request_pool_.post([this, req = std::move(request)]() mutable {
+            handle_request(self_.id, std::move(req));
+          })) {
+        fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self_.str() +
+                                                       " is shutting down: cannot run " + what)));
+      }
+      return fut;
+    }
+    try {
+      transport_send(to.id, std::move(request));
+    } catch (...) {
+      fail_call(id, wrap_send_error(std::current_exception(), to, what));
+    }
+    return fut;
+  }
+
+  // ---- incoming ----------------------------------------------------------------------------
+  // Transport callback (I/O thread): never runs user code, never blocks on it.
+  void on_message(int peer, wire::Message&& m) {
+    switch (m.type) {
+      case wire::MessageType::Request: {
+        // A peer that finished init before us may call us while we still read the worker
+        // table: hold its request until we know where to send the reply.
+        if (!group_ready_.load(std::memory_order_acquire)) {
+          std::lock_guard<std::mutex> lk(group_mu_);
+          if (!group_ready_.load(std::memory_order_relaxed)) {
+            early_requests_.emplace_back(peer, std::move(m));
+            break;
+          }
+        }
+        dispatch_request(peer, std::move(m));
+        break;
+      }
+      case wire::MessageType::Response:
+      case wire::MessageType::Exception:
+        complete_call(peer, std::move(m));
+        break;
+      default:
+        std::fprintf(stderr, "distrpc: %s: ignoring message of unexpected type %d from worker %d\n",
+                     self_.name.c_str(), static_cast<int>(m.type), peer);
+    }
+  }
+
+  // Queues a request on the request pool. After shutdown began it is dropped: the caller learns
+  // through peer loss or its timeout.
+  void dispatch_request(int peer, wire::Message&& m) {
+    request_pool_.post(
+        [this, peer, msg = std::move(m)]() mutable { handle_request(peer, std::move(msg)); });
+  }
+
+  // Transport callback (I/O thread): every pending call to `peer` fails now, naming it.
+  void on_peer_lost(int peer, const std::string& reason) {
+    std::vector<std::pair<std::uint64_t, std::string>> lost;
+    WorkerInfo who;
+    {
+      std::lock_guard<std::mutex> lk(group_mu_);
+      if (peer >= 0 && peer < static_cast<int>(workers_.size())) {
+        who = workers_[static_cast<std::size_t>(peer)];
+      } else {
+        who = WorkerInfo{peer, "worker id " + std::to_string(peer)};
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      for (auto& [id, p] : calls_) {
+        if (p.to.id == peer) lost.emplace_back(id, p.what);
+      }
+    }
+    for (auto& [id, what] : lost) {
+      fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
+                                                             " failed: connection lost (" + reason +
+                                                             ")")));
+    }
+  }
+
+  // ---- all-gather state (leader side) ------------------------------------------------------
+  // A follower's contribution (or the leader's own) to the gather `key`#`seq`; the returned
+  // future completes with every contribution once all `names` have contributed.
+  Future<std::map<std::string, std::string>> gather_contribute(
+      const std::string& key, std::uint64_t seq, const std::vector<std::string>& names,
+      const std::string& name, std::string blob) {
+    Future<std::map<std::string, std::string>> done;
+    std::map<std::string, std::string> result;
+    std::vector<Future<std::map<std::string, std::string>>> waiters;
+    {
+      std::lock_guard<std::mutex> lk(gather_mu_);
+      auto& g = gathers_[{key, seq}];
+      if (g.expected.empty()) g.expected.insert(names.begin(), names.end());
+      if (g.failed) {
+        done = make_exceptional_future<std::map<std::string, std::string>>(
+            std::make_exception_ptr(RpcError(g.failure)));
+        return done;
+      }
+      g.values[name] = std::move(blob);
+      g.waiters.push_back(done);
+      if (g.values.size() < g.expected.size()) return done;
+      result = g.values;
+      waiters = std::move(g.waiters);
+      gathers_.erase({key, seq});
+    }
+    // Completed outside the lock: their callbacks send the replies to the followers.
+    for (auto& w : waiters) w.try_set_value(result);
+    return done;
+  }
+
+  // The leader gave up on `key`#`seq`: fail everyone waiting on it, and anyone arriving later.
+  void gather_fail(const std::string& key, std::uint64_t seq, const std::string& why) {
+    std::vector<Future<std::map<std::string, std::string>>> waiters;
+    {
+      std::lock_guard<std::mutex> lk(gather_mu_);
+      auto& g = gathers_[{key, seq}];
+      g.failed = true;
+      g.failure = why;
+      waiters = std::move(g.waiters);
+    }
+    for (auto& w : waiters) w.try_set_exception(std::make_exception_ptr(RpcError(why)));
+  }
+
+  // Names the leader has not heard from yet in `key`#`seq`.
+  std::vector<std::string> gather_missing(const std::string& key, std::uint64_t seq) {
+    std::lock_guard<std::mutex> lk(gather_mu_);
+    std::vector<std::string> out;
+    auto it = gathers_.find({key, seq});
+    if (it == gathers_.end()) return out;
+    for (const auto& n : it->second.expected) {
+      if (!it->second.values.count(n)) out.push_back(n);
+    }
+    return out;
+  }
+
+  // Sequence numbers per sorted name set: every member calls all_gather on a set in the same
+  // order, so the n-th call of each member meets the n-th call of the others.
+  std::uint64_t next_gather_seq(const std::string& key) {
+    std::lock_guard<std::mutex> lk(gather_mu_);
+    return gather_seq_[key]++;
+  }
+
+  // ---- bookkeeping -------------------------------------------------------------------------
+  WorkCounters counters() const {
+    std::lock_guard<std::mutex> lk(calls_mu_);
+    return counters_;
+  }
+
+  std::map<std::string, std::string> debug_info() const {
+    std::map<std::string, std::string> out;
+    std::size_t pending = 0;
+    WorkCounters c;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      pending = calls_.size();
+      c = counters_;
+    }
+    out["agent.transport"] = transport_name();
+    out["thread_pool_size"] = std::to_string(request_pool_.base_size());
+    out["num_idle_threads"] = std::to_string(request_pool_.idle());
+    out["num_pending_requests"] = std::to_string(request_pool_.queued());
+    out["num_pending_responses"] = std::to_string(pending);
+    out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
+    out["num_active_server_calls"] = std::to_string(c.server_active);
+    out["callback_pool_size"] = std::to_string(callback_pool_.size());
+    return out;
+  }
+
+  ThreadPool& callback_pool() { return callback_pool_; }
+  auto callback_executor() {
+    return [this](std::function<void()> fn) {
+      if (!callback_pool_.post(std::move(fn))) {
+        throw RpcError("RPC agent of " + self_.str() + " is shut down: callback dropped");
+      }
+    };
+  }
+
+  // The store the group met through; kept for the exit barrier of a graceful shutdown.
+  void set_store(std::shared_ptr<store::Store> s) { store_ = std::move(s); }
+  const std::shared_ptr<store::Store>& store() const { return store_; }
+
+  // Publishes this worker in the store, reads everyone else's entry and validates the group.
+  void join_group() {
+    auto& st = *store_;
+    const std::string addr = transport_address();
+    st.set(key("worker/" + std::to_string(self_.id)), self_.name + "\n" + addr);
+    std::vector<std::string> keys;
+    for (int r = 0; r < world_size_; ++r) keys.push_back(key("worker/" + std::to_string(r)));
+    st.wait(keys, options_.init_timeout);
+    std::vector<WorkerInfo> all;
+    std::vector<std::string> addrs;
+    for (int r = 0; r < world_size_; ++r) {
+      const std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
+      const auto nl = v.find('\n');
+      if (nl == std::string::npos) {
+        throw RpcError("malformed worker entry for rank " + std::to_string(r) + " in the store");
+      }
+      all.push_back(WorkerInfo{r, v.substr(0, nl)});
+      addrs.push_back(v.substr(nl + 1));
+    }
+    // Every rank reads the same table, so every rank reports the same duplicate.
+    std::map<std::string, int> seen;
+    for (const auto& w : all) {
+      auto [it, fresh] = seen.emplace(w.name, w.id);
+      if (!fresh) {
+        // Every rank fails alike; rank 0 hosts the store server, so it waits until everyone has
+        // read the table before it fails (and the server goes away).
+        st.add(key("table_read"), 1);
+        if (self_.id == 0) {
+          const auto deadline = Clock::now() + options_.init_timeout;
+          while (st.add(key("table_read"), 0) < world_size_ && Clock::now() < deadline) {
+            std::this_thread::sleep_for(milliseconds(1));
+          }
+        }
+        throw RpcError("Worker name '" + w.name + "' is not unique: ranks " +
+                       std::to_string(it->second) + " and " + std::to_string(w.id) +
+                       " both use it (seen on rank " + std::to_string(self_.id) + ")");
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(group_mu_);
+      workers_ = all;
+      for (const auto& w : all) by_name_[w.name] = w.id;
+    }
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != self_.id) {
+        transport_add_peer(r, all[static_cast<std::size_t>(r)].name,
+                           addrs[static_cast<std::size_t>(r)]);
+      }
+    }
+    std::vector<std::pair<int, wire::Message>> early;
+    {
+      std::lock_guard<std::mutex> lk(group_mu_);
+      group_ready_.store(true, std::memory_order_release);
+      early.swap(early_requests_);
+    }
+    for (auto& [peer, m] : early) dispatch_request(peer, std::move(m));
+  }
+
+  // Local stop: with `sync_exit`, first a store barrier so no worker closes its transport while
+  // another still talks to it, and the rank hosting the store server leaves last. Then the
+  // transport stops, pending calls fail, and the pools drain and join. Never waits forever.
+  void stop(bool sync_exit, milliseconds barrier_timeout) {
+    if (stopped_.exchange(true)) return;
+    std::exception_ptr barrier_error;
+    if (sync_exit && store_) {
+      try {
+        exit_barrier(barrier_timeout);
+      } catch (...) {
+        barrier_error = std::current_exception();
+      }
+    }
+    transport_shutdown();
+    std::vector<std::uint64_t> ids;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      for (auto& [id, p] : calls_) ids.push_back(id);
+    }
+    for (auto id : ids) {
+      fail_call(id, std::make_exception_ptr(
+                        RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
+    }
+    request_pool_.shutdown();
+    callback_pool_.shutdown();
+    if (sync_exit && store_) {
+      try {
+        leave_store();
+      } catch (...) {
+        if (!barrier_error) barrier_error = std::current_exception();
+      }
+    }
+    store_.reset();
+    if (barrier_error) std::rethrow_exception(barrier_error);
+  }
+
+  bool stopped() const { return stopped_.load(); }
+
+ protected:
+  virtual void transport_send(int peer, wire::Message&& m) = 0;
+  virtual std::string transport_address() const = 0;
+  virtual void transport_add_peer(int id, const std::string& name, const std::string& address) = 0;
+  virtual void transport_shutdown() = 0;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Pending {
+    WorkerInfo to;
+    Future<wire::Message> future;
+    milliseconds timeout;
+    bool internal;
+    std::string what;
+    std::multimap<Clock::time_point, std::uint64_t>::iterator deadline;
+  };
+
+  struct Gather {
+    std::set<std::string> expected;
+    std::map<std::string, std::string> values;
+    std::vector<Future<std::map<std::string, std::string>>> waiters;
+    bool failed = false;
+    std::string failure;
+  };
+
+  std::string key(const std::string& k) const { return "distrpc/rpc/" + k; }
+
+  static void detail_clone_buffers(wire::Message& m) {
+    for (auto& b : m.buffers) b = b.clone();
+  }
+
+  std::exception_ptr wrap_send_error(std::exception_ptr e, const WorkerInfo& to,
+                                     const std::string& what) const {
+    try {
+      std::rethrow_exception(e);
+    } catch (const DistError&) {
+      return std::current_exception();
+    } catch (const std::exception& ex) {
+      return std::make_exception_ptr(
+          RpcError("RPC " + what + " to " + to.str() + " could not be sent: " + ex.what()));
+    } catch (...) {
+      return e;
+    }
+  }
+
+  // Removes call `id` and fails its future; false if it already completed.
+  bool fail_call(std::uint64_t id, std::exception_ptr e) {
+    Future<wire::Message> f;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      auto it = calls_.find(id);
+      if (it == calls_.end()) return false;
+      f = it->second.future;
+      if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
+      if (!it->second.internal) ++counters_.client_done;
+      calls_.erase(it);
+    }
+    f.try_set_exception(std::move(e));
+    return true;
+  }
+
+  void complete_call(int peer, wire::Message&& m) {
+    Future<wire::Message> f;
+    WorkerInfo to;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      auto it = calls_.find(m.id);
+      if (it == calls_.end()) return;  // timed out or failed already: the late reply is dropped
+      if (it->second.to.id != peer) {
+        std::fprintf(stderr,
+                     "distrpc: %s: dropping a reply for call %llu from worker %d: the call went "
+                     "to %s\n",
+                     self_.name.c_str(), static_cast<unsigned long long>(m.id), peer,
+                     it->second.to.str().c_str());
+        return;
+      }
+      f = it->second.future;
+      to = it->second.to;
+      if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
+      if (!it->second.internal) ++counters_.client_done;
+      calls_.erase(it);
+    }
+    if (m.type == wire::MessageType::Exception) {
+      WireException w;
+      try {
+        wire::decode(m, w);
+      } catch (const std::exception& e) {
+        w = {"distrpc::RpcError", std::string("undecodable error reply: ") + e.what()};
+      }
+      f.try_set_exception(ExceptionRegistry::instance().rebuild(w, to.str()));
+    } else {
+      f.try_set_value(std::move(m));
+    }
+  }
+
+  void handle_request(int peer, wire::Message&& req) {
+    const std::uint64_t id = req.id;
+    RequestHeader h;
+    Future<wire::Message> result;
+    bool counted = false;
+    try {
+      {
+        // Only the header: the handler decodes the whole payload with the argument types.
+        wire::InputArchive peek(req);
+        peek(h);
+      }
+      if (!h.internal) {
+        std::lock_guard<std::mutex> lk(calls_mu_);
+        ++counters_.server_active;
+        counted = true;
+      }
+      auto entry = Registry::instance().find(h.name);
+      if (!entry) {
+        throw RpcError("function '" + h.name + "' is not registered on " + self_.str() +
+                       ": register it there with DISTRPC_REGISTER(" + h.name +
+                       ") or build both sides from the same source");
+      }
+      if (entry->signature != h.signature) {
+        throw RpcError("signature mismatch for function '" + h.name + "' on " + self_.str() +
+                       ": the callee's is '" + entry->signature_text +
+                       "' and the caller's differs (rebuild both sides from the same source)");
+      }
+      result = entry->handler(req);
+    } catch (...) {
+      result = make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    auto respond = [this, peer, id, name = h.name, counted](const Future<wire::Message>& done) {
+      wire::Message out;
+      if (done.has_error()) {
+        WireException w = ExceptionRegistry::instance().encode(done.exception_ptr());
+        std::fprintf(stderr, "distrpc: %s: '%s' called by worker %d raised %s: %s\n",
+                     self_.name.c_str(), name.c_str(), peer, w.type_name.c_str(),
+                     w.message.c_str());
+        out.type = wire::MessageType::Exception;
+        wire::encode(out, w);
+      } else {
+        out = done.value();
+      }
+      out.id = id;
+      send_reply(peer, std::move(out));
+      if (counted) {
+        std::lock_guard<std::mutex> lk(calls_mu_);
+        --counters_.server_active;
+      }
+    };
+    if (result.done()) {
+      respond(result);
+    } else {
+      // An async function: this thread is free now; the reply goes when its future completes.
+      result.add_done_callback(callback_executor(), respond);
+    }
+  }
+
+  void send_reply(int peer, wire::Message&& out) {
+    if (peer == self_.id) {
+      detail_clone_buffers(out);
+      complete_call(peer, std::move(out));
+      return;
+    }
+    try {
+      transport_send(peer, std::move(out));
+    } catch (const std::exception& e) {
+      // The caller learns of it through peer loss or its timeout; nothing else to do here.
+      std::fprintf(stderr, "distrpc: %s: could not send a reply to worker %d: %s\n",
+                   self_.name.c_str(), peer, e.what());
+    }
+  }
+
+  void run_timer() {
+    std::unique_lock<std::mutex> lk(calls_mu_);
+    while (!timer_stop_) {
+      if (deadlines_.empty()) {
+        timer_cv_.wait(lk, [&] { return timer_stop_ || !deadlines_.empty(); });
+        continue;
+      }
+      const auto next = deadlines_.begin()->first;
+      if (Clock::now() < next) {
+        timer_cv_.wait_until(lk, next);
+        continue;
+      }
+      const std::uint64_t id = deadlines_.begin()->second;
+      deadlines_.erase(deadlines_.begin());
+      auto it = calls_.find(id);
+      if (it == calls_.end()) continue;
+      it->second.deadline = deadlines_.end();
+      auto f = it->second.future;
+      const std::string text = timeout_text(it->second.timeout) + " (" + it->second.what + " on " +
+                               it->second.to.str() + ")";
+      if (!it->second.internal) ++counters_.client_done;
+      calls_.erase(it);
+      lk.unlock();
+      f.try_set_exception(std::make_exception_ptr(RpcTimeoutError(text)));
+      lk.lock();
+    }
+  }
+
+  void exit_barrier(milliseconds timeout) {
+    auto& st = *store_;
+    const std::string k = key("exit");
+    st.add(k, 1);
+    const auto deadline =
+        Clock::now() + (timeout.count() > 0 ? timeout : milliseconds(std::chrono::minutes(5)));
+    while (st.add(k, 0) < world_size_) {
+      if (Clock::now() > deadline) {
+        throw RpcError("graceful shutdown of " + self_.str() +
+                       ": timed out waiting for the other workers at the exit barrier");
+      }
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+
+  // The process hosting the store server (rank 0) must outlive the other ranks' last use of it.
+  void leave_store() {
+    auto& st = *store_;
+    const std::string k = key("left");
+    if (self_.id != 0) {
+      st.add(k, 1);
+      return;
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (st.add(k, 0) < world_size_ - 1 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+
+  const WorkerInfo self_;
+  const int world_size_;
+  const RpcBackendOptions options_;
+  std::atomic<milliseconds> default_timeout_;
+
+  mutable std::mutex group_mu_;
+  std::vector<WorkerInfo> workers_;
+  std::map<std::string, int> by_name_;
+  std::atomic<bool> group_ready_{false};
+  std::vector<std::pair<int, wire::Message>> early_requests_;
+
+  mutable std::mutex calls_mu_;
+  std::unordered_map<std::uint64_t, Pending> calls_;
+  std::multimap<Clock::time_point, std::uint64_t> deadlines_;
+  WorkCounters counters_;
+  std::atomic<std::uint64_t> next_id_{0};
+  std::condition_variable timer_cv_;
+  bool timer_stop_ = false;
+
+  std::mutex gather_mu_;
+  std::map<std::pair<std::string, std::uint64_t>, Gather> gathers_;
+  std::map<std::string, std::uint64_t> gather_seq_;
+
+  std::shared_ptr<store::Store> store_;
+  std::atomic<bool> stopped_{false};
+
+  ThreadPool request_pool_;
+  ThreadPool callback_pool_;
+  std::thread timer_;
+};
+
+// Binds the agent to a transport policy chosen at compile time.
+template <class T>
+class Agent final : public RpcAgent {
+  static_assert(transport::check_transport<T>(), "see the messages above");
+
+ public:
+  Agent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
+      : RpcAgent(std::move(self), world_size, opts), ctx_(make_options(), make_callbacks()) {}
+
+  ~Agent() override {
+    try {
+      stop(/*sync_exit=*/false, milliseconds(0));
+    } catch (...) {
+      // A destructor must not throw; stop(false) does no store work.
+    }
+  }
+
+  std::string transport_name() const override { return std::string(T::name); }
+  typename T::Context& context() { return ctx_; }
+
+ protected:
+  void transport_send(int peer, wire::Message&& m) override { ctx_.send(peer, std::move(m)); }
+  std::string transport_address() const override { return ctx_.address(); }
+  void transport_add_peer(int id, const std::string& name, const std::string& address) override {
+    ctx_.add_peer(id, name, address);
+  }
+  void transport_shutdown() override { ctx_.shutdown(); }
+
+ private:
+  transport::TransportOptions make_options() const {
+    transport::TransportOptions o;
+    o.self_id = self().id;
+    o.self_name = self().name;
+    o.listen_host = options().listen_host;
+    o.auth_token = options().auth_token;
+    o.limits.max_message_bytes = options().max_message_bytes;
+    o.connect_timeout = options().init_timeout;
+    return o;
+  }
+  transport::TransportCallbacks make_callbacks() {
+    transport::TransportCallbacks cb;
+    cb.on_message = [this](int peer, wire::Message&& m) { on_message(peer, std::move(m)); };
+    cb.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
+    return cb;
+  }
+
+  typename T::Context ctx_;
+};
+
+}  // namespace distrpc

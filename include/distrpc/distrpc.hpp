@@ -1,0 +1,12 @@
+// distrpc in one include: futures, errors, stores and rendezvous, the wire layer, and RPC.
+// Add the header of the transport policy you use, e.g. <distrpc/transport/tcp.hpp>.
+#pragma once
+
+#include "distrpc/error.hpp"
+#include "distrpc/future.hpp"
+#include "distrpc/options.hpp"
+#include "distrpc/rpc.hpp"
+#include "distrpc/rpc_error.hpp"
+#include "distrpc/store.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/worker_info.hpp"

@@ -1,0 +1,37 @@
+// RpcBackendOptions: plain options with defaults (PyTorch's names where they exist).
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+
+namespace distrpc {
+
+// Passing this as a per-call timeout means "use the agent's default, read when the call is made".
+inline constexpr std::chrono::milliseconds kUnsetRpcTimeout{-1};
+// A timeout of zero means "no limit", per call and as the default.
+inline constexpr std::chrono::milliseconds kNoRpcTimeout{0};
+inline constexpr std::chrono::milliseconds kDefaultRpcTimeout{60'000};
+
+struct RpcBackendOptions {
+  // Where the group rendezvous: "env://" (MASTER_ADDR, MASTER_PORT), "tcp://host:port",
+  // "file:///abs/path".
+  std::string init_method = "env://";
+  // Default timeout of every call (0 = none). Changeable later with set_rpc_timeout().
+  std::chrono::milliseconds rpc_timeout = kDefaultRpcTimeout;
+  // Threads running incoming requests. Handlers may block; responses and callbacks are processed
+  // elsewhere, so blocked handlers never starve them (docs/threading.md).
+  int num_worker_threads = 16;
+  // Timeout of the rendezvous (store operations during init).
+  std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};
+  // Address the transport listens on. Loopback by default: exposing a port is a deliberate choice.
+  std::string listen_host = "127.0.0.1";
+  // Optional shared secret: connections presenting another token are dropped at the handshake.
+  std::string auth_token;
+  // Largest message (payload plus tensors) sent or accepted, in bytes.
+  std::uint64_t max_message_bytes = 16ull << 30;
+  // device_maps[worker][src] = dst, for CUDA tensors (see docs/rpc.md).
+  std::map<std::string, std::map<std::string, std::string>> device_maps;
+};
+
+}  // namespace distrpc

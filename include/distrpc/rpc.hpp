@@ -1,0 +1,469 @@
+// The public RPC API: init_rpc / shutdown, typed rpc_sync / rpc_async, builtin operators by
+// schema name, worker queries, timeouts, barrier / all_gather / wait_all_workers.
+//
+//   distrpc::init_rpc<distrpc::transport::Tcp>("worker0", rank, world, opts);
+//   at::Tensor r = distrpc::rpc_sync<&add>("worker1", x, y);          // checked at compile time
+//   distrpc::Future<at::Tensor> f = distrpc::rpc_async<&add>(1, x, y);  // by rank
+//   distrpc::shutdown();
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "distrpc/agent.hpp"
+#include "distrpc/function_id.hpp"
+#include "distrpc/future.hpp"
+#include "distrpc/options.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/rpc_error.hpp"
+#include "distrpc/store/rendezvous.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/worker_info.hpp"
+
+namespace distrpc {
+
+// Where a call goes: a worker name, a WorkerInfo, or a rank.
+class Destination {
+ public:
+  Destination(const char* name) : v_(std::string(name)) {}  // NOLINT: implicit on purpose
+  Destination(std::string name) : v_(std::move(name)) {}    // NOLINT
+  Destination(const WorkerInfo& w) : v_(w) {}               // NOLINT
+  Destination(int rank) : v_(rank) {}                       // NOLINT
+  WorkerInfo resolve(const RpcAgent& agent) const {
+    return std::visit([&](const auto& d) { return agent.worker(d); }, v_);
+  }
+
+ private:
+  std::variant<std::string, WorkerInfo, int> v_;
+};
+
+// Per-call options.
+struct CallOptions {
+  // kUnsetRpcTimeout: the agent's default at the moment of the call; 0: no limit.
+  std::chrono::milliseconds timeout = kUnsetRpcTimeout;
+};
+
+inline CallOptions with_timeout(std::chrono::milliseconds t) {
+  return CallOptions{t};
+}
+
+namespace detail {
+
+struct Runtime {
+  std::mutex mu;
+  std::shared_ptr<RpcAgent> agent;
+  bool was_shut_down = false;
+};
+
+inline Runtime& runtime() {
+  static Runtime r;
+  return r;
+}
+
+inline std::shared_ptr<RpcAgent> current_agent() {
+  auto& rt = runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  if (rt.agent) return rt.agent;
+  if (rt.was_shut_down) {
+    throw RpcError(
+        "RPC has not been initialized: the agent was shut down (call distrpc::init_rpc again to "
+        "start a new one)");
+  }
+  throw RpcError(
+      "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling "
+      "`distrpc::init_rpc`)?");
+}
+
+template <class T>
+Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent) {
+  Future<T> typed = reply.then([](const Future<wire::Message>& done) {
+    if constexpr (std::is_void_v<T>) {
+      done.value();
+    } else {
+      T out{};
+      wire::decode(done.value(), out);
+      return out;
+    }
+  });
+  // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool.
+  set_callback_executor(typed, agent->callback_executor());
+  return typed;
+}
+
+template <auto F, class... A>
+constexpr void check_call() {
+  static_assert(free_function<F>,
+                "distrpc: the template argument must be a pointer to a function or static member "
+                "function, e.g. distrpc::rpc_sync<&add>(\"worker1\", x, y)");
+  if constexpr (free_function<F>) {
+    using Traits = fn_traits<decltype(F)>;
+    static_assert(sizeof...(A) == Traits::arity,
+                  "distrpc::rpc_sync/rpc_async/remote<&f>(to, args...): wrong number of "
+                  "arguments for f (see f's signature in the 'required from' line)");
+    static_assert(std::is_invocable_v<decltype(F), A...>,
+                  "distrpc::rpc_sync/rpc_async/remote<&f>(to, args...): an argument does not "
+                  "convert to the type of f's parameter at the same position");
+    static_assert((!is_future_v<std::decay_t<A>> && ...),
+                  "distrpc: a Future cannot be sent as an argument (it is not serializable): pass "
+                  "future.value() instead");
+  }
+}
+
+template <auto F>
+using call_result_t = unwrap_future_t<typename fn_traits<decltype(F)>::result>;
+
+template <auto F, class... A>
+Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const Destination& to,
+                                CallOptions opts, bool internal, A&&... args) {
+  ensure_registered<F>();
+  const WorkerInfo dst = to.resolve(*agent);
+  const auto timeout = agent->effective_timeout(opts.timeout);
+  wire::Message m;
+  typename fn_traits<decltype(F)>::args packed(std::forward<A>(args)...);
+  wire::encode(m, RequestHeader{std::string(function_name<F>()), signature_hash<F>(), internal},
+               packed);
+  return agent->call(dst, std::move(m), timeout, internal,
+                     "call to '" + std::string(function_name<F>()) + "'");
+}
+
+}  // namespace detail
+
+// ---- lifecycle ---------------------------------------------------------------------------------
+
+// Starts this process's RPC agent on transport policy T and meets the other `world_size - 1`
+// workers through `options.init_method`. rank / world_size -1: read RANK / WORLD_SIZE (env://).
+template <class T>
+void init_rpc(const std::string& name, int rank, int world_size,
+              const RpcBackendOptions& options = {}) {
+  validate_worker_name(name);
+  auto& rt = detail::runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  if (rt.agent) {
+    throw RpcError("RPC is already initialized on this process (as " + rt.agent->self().str() +
+                   "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
+  }
+  if (options.num_worker_threads < 1) {
+    throw std::invalid_argument("num_worker_threads must be >= 1, got " +
+                                std::to_string(options.num_worker_threads));
+  }
+  if (options.rpc_timeout.count() < 0) {
+    throw std::invalid_argument("rpc_timeout must be >= 0 ms (0 means no limit), got " +
+                                std::to_string(options.rpc_timeout.count()) + " ms");
+  }
+  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
+  auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size, options);
+  agent->set_store(rdzv.store);
+  try {
+    agent->join_group();
+  } catch (...) {
+    agent->stop(/*sync_exit=*/false, std::chrono::milliseconds(0));
+    throw;
+  }
+  rt.agent = std::move(agent);
+  rt.was_shut_down = false;
+}
+
+// ---- typed calls -------------------------------------------------------------------------------
+
+// Runs f(args...) on `to` and returns a future of its result. A function returning Future<U>
+// runs asynchronously on the callee and gives Future<U> here.
+template <auto F, class... A>
+Future<detail::call_result_t<F>> rpc_async(const Destination& to, CallOptions opts, A&&... args) {
+  detail::check_call<F, A...>();
+  auto agent = detail::current_agent();
+  auto reply = detail::send_call<F>(agent, to, opts, /*internal=*/false, std::forward<A>(args)...);
+  auto typed = detail::decode_reply<detail::call_result_t<F>>(reply, agent);
+  detail::register_in_scope(typed);
+  return typed;
+}
+template <auto F, class... A>
+Future<detail::call_result_t<F>> rpc_async(const Destination& to, A&&... args) {
+  return rpc_async<F>(to, CallOptions{}, std::forward<A>(args)...);
+}
+
+// Runs f(args...) on `to` and returns its result (rethrowing the remote exception).
+template <auto F, class... A>
+detail::call_result_t<F> rpc_sync(const Destination& to, CallOptions opts, A&&... args) {
+  auto f = rpc_async<F>(to, opts, std::forward<A>(args)...);
+  if constexpr (std::is_void_v<detail::call_result_t<F>>) {
+    f.value();
+  } else {
+    return f.value();
+  }
+}
+template <auto F, class... A>
+detail::call_result_t<F> rpc_sync(const Destination& to, A&&... args) {
+  return rpc_sync<F>(to, CallOptions{}, std::forward<A>(args)...);
+}
+
+// ---- builtin operators by schema name ----------------------------------------------------------
+
+namespace detail {
+
+// Runs the ATen operator `schema` ("aten::add.Tensor", or "aten::add" for the overload "")
+// through the dispatcher. Defaults fill missing trailing arguments.
+inline c10::IValue run_builtin(std::string schema, std::vector<c10::IValue> args) {
+  std::string op = schema, overload;
+  if (auto dot = schema.find('.'); dot != std::string::npos) {
+    op = schema.substr(0, dot);
+    overload = schema.substr(dot + 1);
+  }
+  auto handle = c10::Dispatcher::singleton().findSchema({op, overload});
+  if (!handle) {
+    throw std::invalid_argument("unknown builtin operator '" + schema +
+                                "': expected a schema name such as 'aten::add.Tensor'");
+  }
+  const auto& fs = handle->schema();
+  const auto& params = fs.arguments();
+  if (args.size() > params.size()) {
+    std::ostringstream s;
+    s << fs;
+    throw std::invalid_argument(schema + " takes at most " + std::to_string(params.size()) +
+                                " arguments but got " + std::to_string(args.size()) +
+                                " (schema: " + s.str() + ")");
+  }
+  torch::jit::Stack stack(args.begin(), args.end());
+  for (std::size_t i = args.size(); i < params.size(); ++i) {
+    if (!params[i].default_value()) {
+      std::ostringstream s;
+      s << fs;
+      throw std::invalid_argument(schema + ": missing value for argument '" + params[i].name() +
+                                  "' (schema: " + s.str() + ")");
+    }
+    stack.push_back(*params[i].default_value());
+  }
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (!args[i].type()->isSubtypeOf(*params[i].type()) &&
+        !(params[i].type()->kind() == c10::TypeKind::NumberType && args[i].isScalar()) &&
+        !(params[i].type()->kind() == c10::TypeKind::OptionalType)) {
+      std::ostringstream s;
+      s << fs;
+      throw std::invalid_argument(schema + ": argument '" + params[i].name() + "' (position " +
+                                  std::to_string(i) + ") expected " + params[i].type()->str() +
+                                  " but got " + args[i].type()->str() + " (schema: " + s.str() +
+                                  ")");
+    }
+  }
+  handle->callBoxed(stack);
+  if (stack.size() == 1) return std::move(stack[0]);
+  return c10::ivalue::Tuple::create(std::move(stack));
+}
+
+}  // namespace detail
+
+// PyTorch's builtin calls: rpc_async("worker1", "aten::add.Tensor", {a, b}).
+inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
+                                     std::vector<c10::IValue> args, CallOptions opts = {}) {
+  auto agent = detail::current_agent();
+  auto reply = detail::send_call<&detail::run_builtin>(agent, to, opts, false, op, std::move(args));
+  auto typed = detail::decode_reply<c10::IValue>(reply, agent);
+  detail::register_in_scope(typed);
+  return typed;
+}
+inline c10::IValue rpc_sync(const Destination& to, const std::string& op,
+                            std::vector<c10::IValue> args, CallOptions opts = {}) {
+  return rpc_async(to, op, std::move(args), opts).value();
+}
+
+// ---- queries -----------------------------------------------------------------------------------
+
+inline WorkerInfo get_worker_info() {
+  return detail::current_agent()->self();
+}
+inline WorkerInfo get_worker_info(const std::string& name) {
+  return detail::current_agent()->worker(name);
+}
+inline std::vector<WorkerInfo> get_worker_infos() {
+  return detail::current_agent()->workers();
+}
+inline std::chrono::milliseconds get_rpc_timeout() {
+  return detail::current_agent()->default_timeout();
+}
+inline void set_rpc_timeout(std::chrono::milliseconds t) {
+  detail::current_agent()->set_default_timeout(t);
+}
+inline std::map<std::string, std::string> get_debug_info() {
+  return detail::current_agent()->debug_info();
+}
+inline bool is_initialized() {
+  auto& rt = detail::runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  return rt.agent != nullptr;
+}
+
+// ---- all_gather, barrier, wait_all_workers ----------------------------------------------------
+
+namespace detail {
+
+// Leader side of all_gather, called by followers through RPC (internal, asynchronous by type).
+inline Future<std::map<std::string, std::string>> gather_contribute(std::string key,
+                                                                    std::uint64_t seq,
+                                                                    std::vector<std::string> names,
+                                                                    std::string name,
+                                                                    std::string blob) {
+  return current_agent()->gather_contribute(key, seq, names, name, std::move(blob));
+}
+
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(t.count()) / 1000.0);
+  return buf;
+}
+
+// all_gather of opaque blobs; the typed all_gather encodes and decodes around it.
+inline std::map<std::string, std::string> all_gather_blobs(const std::shared_ptr<RpcAgent>& agent,
+                                                           std::string blob,
+                                                           std::vector<std::string> names,
+                                                           std::chrono::milliseconds timeout) {
+  const std::string me = agent->self().name;
+  if (names.empty()) {
+    for (const auto& w : agent->workers()) names.push_back(w.name);
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  if (std::find(names.begin(), names.end(), me) == names.end()) {
+    throw std::invalid_argument("all_gather: this worker (" + me +
+                                ") is not in the list of participants");
+  }
+  for (const auto& n : names) agent->worker(n);  // unknown names fail here, clearly
+  std::string key;
+  for (const auto& n : names) key += n + ",";
+  const std::uint64_t seq = agent->next_gather_seq(key);
+  const std::string& leader = names.front();
+  const auto limit = agent->effective_timeout(timeout);
+  if (leader == me) {
+    auto fut = agent->gather_contribute(key, seq, names, me, std::move(blob));
+    const bool done = limit.count() == 0 ? (fut.wait(), true) : fut.wait_for(limit);
+    if (!done) {
+      auto missing = agent->gather_missing(key, seq);
+      std::string list;
+      for (const auto& n : missing) list += (list.empty() ? "" : ", ") + n;
+      const std::string why = "timed out in _all_gather after " + seconds_text(limit) +
+                              " seconds. The following workers did not respond: " + list;
+      agent->gather_fail(key, seq, why);
+      throw RpcTimeoutError(why);
+    }
+    return fut.value();
+  }
+  auto reply = send_call<&gather_contribute>(agent, leader, CallOptions{limit}, /*internal=*/true,
+                                             key, seq, names, me, std::move(blob));
+  std::map<std::string, std::string> out;
+  wire::decode(reply.value(), out);
+  return out;
+}
+
+template <class V>
+std::string to_blob(const V& value) {
+  wire::Message m;
+  wire::encode(m, value);
+  if (!m.buffers.empty()) {
+    throw std::invalid_argument(
+        "all_gather: values carrying tensors are not supported; gather plain data");
+  }
+  return std::move(m.payload);
+}
+
+template <class V>
+V from_blob(std::string blob) {
+  wire::Message m;
+  m.payload = std::move(blob);
+  V v{};
+  wire::decode(m, v);
+  return v;
+}
+
+}  // namespace detail
+
+// Every worker in `names` (default: all) contributes `value`; each gets {name: value}.
+template <class V>
+std::map<std::string, V> all_gather(const V& value, std::vector<std::string> names = {},
+                                    std::chrono::milliseconds timeout = kUnsetRpcTimeout) {
+  auto agent = detail::current_agent();
+  auto blobs = detail::all_gather_blobs(agent, detail::to_blob(value), std::move(names), timeout);
+  std::map<std::string, V> out;
+  for (auto& [n, b] : blobs) out.emplace(n, detail::from_blob<V>(std::move(b)));
+  return out;
+}
+
+// Returns once every worker in `names` (default: all) has reached the barrier.
+inline void barrier(std::vector<std::string> names = {},
+                    std::chrono::milliseconds timeout = kUnsetRpcTimeout) {
+  auto agent = detail::current_agent();
+  detail::all_gather_blobs(agent, std::string(), std::move(names), timeout);
+}
+
+// Returns once every worker of the group has called it (the first step of a graceful shutdown).
+inline void wait_all_workers(std::chrono::milliseconds timeout = kUnsetRpcTimeout) {
+  barrier({}, timeout);
+}
+
+// ---- shutdown ----------------------------------------------------------------------------------
+
+namespace detail {
+
+// Group-wide join: repeat all-gathers of the work counters until two consecutive rounds agree
+// and show every sent call answered and no call running anywhere. Monotonic counters make a
+// call that slips between two workers' reports change the totals, so it cannot go unseen.
+inline void join_group_work(const std::shared_ptr<RpcAgent>& agent,
+                            std::chrono::milliseconds timeout) {
+  std::optional<WorkCounters> previous;
+  while (true) {
+    auto all = all_gather_blobs(agent, to_blob(agent->counters()), {}, timeout);
+    WorkCounters total;
+    for (auto& [n, b] : all) {
+      auto c = from_blob<WorkCounters>(std::move(b));
+      total.client_sent += c.client_sent;
+      total.client_done += c.client_done;
+      total.server_active += c.server_active;
+    }
+    const bool idle = total.client_sent == total.client_done && total.server_active == 0;
+    if (idle && previous && *previous == total) return;
+    previous = total;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace detail
+
+// Stops this process's agent. Graceful (the default): wait for every worker, then until no call
+// is outstanding anywhere in the group, then stop locally; if a step fails its error reaches the
+// caller and the local stop still runs. Not graceful: local stop only, never waits on peers.
+inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = kNoRpcTimeout) {
+  auto agent = detail::current_agent();
+  std::exception_ptr error;
+  if (graceful) {
+    try {
+      wait_all_workers(timeout);
+      detail::join_group_work(agent, timeout);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  try {
+    agent->stop(graceful && !error, timeout);
+  } catch (...) {
+    if (!error) error = std::current_exception();
+  }
+  {
+    auto& rt = detail::runtime();
+    std::lock_guard<std::mutex> lk(rt.mu);
+    rt.agent.reset();
+    rt.was_shut_down = true;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace distrpc
