@@ -122,8 +122,18 @@ constexpr void check_call() {
   }
 }
 
+// What a call of F yields at the caller. Defined (as void) even when F is not a function
+// pointer, so that check_call's readable static_assert fires instead of an overload failure.
+template <auto F, bool = free_function<F>>
+struct call_result {
+  using type = void;
+};
 template <auto F>
-using call_result_t = unwrap_future_t<typename fn_traits<decltype(F)>::result>;
+struct call_result<F, true> {
+  using type = unwrap_future_t<typename fn_traits<decltype(F)>::result>;
+};
+template <auto F>
+using call_result_t = typename call_result<F>::type;
 
 template <auto F, class... A>
 Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const Destination& to,

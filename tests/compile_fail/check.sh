@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Compile-time checks that must fail with a readable message: each .cpp here names the text its
+# compilation must produce on its first line ("// expect: ..."). Prints "N passed, M failed".
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+flags=(-std=c++20 -fsyntax-only -DASIO_STANDALONE -I"$repo/include" -I"$repo/transports/tcp/include"
+       -isystem /usr/include/torch/csrc/api/include)
+pass=0; fail=0
+for f in "$here"/*.cpp; do
+  want=$(head -1 "$f" | sed -n 's|^// expect: ||p')
+  out=$(${CXX:-c++} "${flags[@]}" "$f" 2>&1)
+  rc=$?
+  if [ $rc -ne 0 ] && grep -qF -- "$want" <<<"$out"; then
+    pass=$((pass + 1)); echo "ok    $(basename "$f")"
+  else
+    fail=$((fail + 1)); echo "FAIL  $(basename "$f"): expected a compile error containing: $want"
+    echo "$out" | grep -E "error" | head -5
+  fi
+done
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
