@@ -8,8 +8,6 @@
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
 // async_small_cps  completed calls per second with 64 small rpc_async in flight
 // remote_fwd_us, dist_step_us: null until RemoteModule and distributed autograd exist.
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,8 +25,7 @@
 
 #include "distrpc/distrpc.hpp"
 #include "distrpc/transport/tcp.hpp"
-
-extern char** environ;
+#include "spawn_self.hpp"
 
 namespace {
 
@@ -140,39 +137,13 @@ int launch(const Args& a) {
   const std::string dir = tmpl;
   const std::string init = "file://" + dir + "/rendezvous";
   const std::string out = dir + "/result.json";
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
-  std::vector<pid_t> pids;
+  std::vector<std::vector<std::string>> ranks;
   for (int r = 0; r < 2; ++r) {
-    std::vector<std::string> args = {self,
-                                     "--rank",
-                                     std::to_string(r),
-                                     "--init",
-                                     init,
-                                     "--out",
-                                     out,
-                                     "--transport",
-                                     a.transport,
-                                     "--small",
-                                     std::to_string(a.small),
-                                     "--big",
-                                     std::to_string(a.big),
-                                     "--async",
-                                     std::to_string(a.async_calls)};
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
-      throw std::runtime_error("posix_spawn failed");
-    }
-    pids.push_back(pid);
+    ranks.push_back({"--rank", std::to_string(r), "--init", init, "--out", out, "--transport",
+                     a.transport, "--small", std::to_string(a.small), "--big",
+                     std::to_string(a.big), "--async", std::to_string(a.async_calls)});
   }
-  int rc = 0;
-  for (pid_t p : pids) {
-    int st = 0;
-    waitpid(p, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
-  }
+  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
   std::ifstream in(out);
   std::string line;
   std::getline(in, line);

@@ -3,8 +3,6 @@
 // from everyone, and shut down gracefully.
 //
 //   build/examples/hello_rpc [--world 4]
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -18,8 +16,7 @@
 
 #include "distrpc/distrpc.hpp"
 #include "distrpc/transport/tcp.hpp"
-
-extern char** environ;
+#include "spawn_self.hpp"
 
 namespace {
 
@@ -62,26 +59,12 @@ int launch(int world) {
   char tmpl[] = "/tmp/distrpc-hello-XXXXXX";
   if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
   const std::string init = std::string("file://") + tmpl + "/rendezvous";
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
-  std::vector<pid_t> pids;
+  std::vector<std::vector<std::string>> ranks;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args = {
-        self, "--rank", std::to_string(r), "--world", std::to_string(world), "--init", init};
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
-      throw std::runtime_error("posix_spawn failed");
-    }
-    pids.push_back(pid);
+    ranks.push_back(
+        {"--rank", std::to_string(r), "--world", std::to_string(world), "--init", init});
   }
-  int rc = 0;
-  for (pid_t p : pids) {
-    int st = 0;
-    waitpid(p, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
-  }
+  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
   std::error_code ec;
   fs::remove_all(tmpl, ec);
   std::printf(rc == 0 ? "hello_rpc: %d workers done, clean shutdown\n"
