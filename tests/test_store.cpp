@@ -77,18 +77,7 @@ class TempDir {
   fs::path path_;
 };
 
-// A port that was free a moment ago (for tests that need the port before the server exists).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+int free_port() { return distrpc::testing::free_loopback_port(); }
 
 // ---- the store kinds under test ----------------------------------------------------------------
 

@@ -211,18 +211,7 @@ bool closed_by_server(int fd) {
   return r < 0 && (errno == ECONNRESET || errno == EPIPE);
 }
 
-// A port nothing listens on: bound once, then released.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+int free_port() { return distrpc::testing::free_loopback_port(); }
 
 // The good peer still works both ways: proves one bad connection did not take the agent down.
 void check_still_works(Node& a, Node& b, std::uint64_t id) {

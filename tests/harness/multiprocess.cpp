@@ -1,9 +1,12 @@
 // Multi-process harness: see multiprocess.hpp for the contract.
 #include "multiprocess.hpp"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -218,6 +221,21 @@ RunResult run_impl(const std::string& case_name, const RunOptions& opts, bool is
 }
 
 }  // namespace
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0)
+    throw std::runtime_error(std::string("free_loopback_port: socket: ") + std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("free_loopback_port: could not bind a loopback port");
+  return ntohs(a.sin_port);
+}
 
 std::string RankContext::file_url() const {
   return "file://" + dir + "/rendezvous";

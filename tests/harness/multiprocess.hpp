@@ -67,6 +67,10 @@ struct RunResult {
 // `opts.world` fresh processes and collects their outcomes.
 RunResult run_ranks(const std::string& case_name, const RunOptions& opts);
 
+// A loopback TCP port that was free a moment ago (bound to port 0, then released): for tests
+// that need a port where nothing listens, or a port before the server exists.
+int free_loopback_port();
+
 // In a child started by run_ranks: the context of this rank. Null in the parent.
 const RankContext* current_rank();
 
