@@ -2,12 +2,15 @@
 // can be compared side by side. Starts its own two worker processes on loopback (re-executing
 // this binary; no fork) and prints one JSON object.
 //
-//   build/examples/bench_rpc [--transport tcp] [--small N] [--big N] [--async N]
+//   build/examples/bench_rpc [--transport tcp|shm|auto] [--small N] [--big N] [--async N]
 //
 // echo_small_us    median round trip of rpc_sync(ident, tensor of 4 floats)
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
 // async_small_cps  completed calls per second with 64 small rpc_async in flight
+// idle_cpu_pct     CPU used by the idle 2-worker group (both processes) over 1 s, in % of one core
+// remote_to_here_us median of remote(ident, tensor of 4 floats) then to_here() (two round trips)
 // remote_fwd_us, dist_step_us: null until RemoteModule and distributed autograd exist.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,12 +22,18 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "distrpc/distrpc.hpp"
 #include "distrpc/transport/tcp.hpp"
+#if __has_include("distrpc/transport/shm.hpp")
+#include "distrpc/transport/auto.hpp"
+#include "distrpc/transport/shm.hpp"
+#define BENCH_HAVE_SHM 1
+#endif
 #include "spawn_self.hpp"
 
 namespace {
@@ -33,6 +42,14 @@ using Clock = std::chrono::steady_clock;
 
 at::Tensor ident(at::Tensor t) {
   return t;
+}
+
+// CPU seconds (user + system) this process has used: called remotely to measure an idle group.
+double process_cpu_seconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
 struct Args {
@@ -69,12 +86,20 @@ Args parse(int argc, char** argv) {
       a.async_calls = std::stoi(next());
     } else {
       throw std::invalid_argument("unknown argument '" + k +
-                                  "' (expected --transport tcp, --small N, --big N, --async N)");
+                                  "' (expected --transport tcp|shm|auto, --small N, --big N, "
+                                  "--async N)");
     }
   }
+#ifdef BENCH_HAVE_SHM
+  if (a.transport != "tcp" && a.transport != "shm" && a.transport != "auto") {
+    throw std::invalid_argument("unknown transport '" + a.transport +
+                                "': this build has: tcp, shm, auto");
+  }
+#else
   if (a.transport != "tcp") {
     throw std::invalid_argument("unknown transport '" + a.transport + "': this build has: tcp");
   }
+#endif
   return a;
 }
 
@@ -97,11 +122,24 @@ int run_worker(const Args& a) {
   opts.init_method = a.init;
   opts.num_worker_threads = 8;
   opts.rpc_timeout = std::chrono::seconds(120);
-  distrpc::init_rpc<distrpc::transport::Tcp>("worker" + std::to_string(a.rank), a.rank, 2, opts);
+  const std::string me = "worker" + std::to_string(a.rank);
+#ifdef BENCH_HAVE_SHM
+  if (a.transport == "shm") {
+    distrpc::init_rpc<distrpc::transport::Shm>(me, a.rank, 2, opts);
+  } else if (a.transport == "auto") {
+    distrpc::init_rpc<distrpc::transport::Auto<distrpc::transport::Shm, distrpc::transport::Tcp>>(
+        me, a.rank, 2, opts);
+  } else
+#endif
+  {
+    distrpc::init_rpc<distrpc::transport::Tcp>(me, a.rank, 2, opts);
+  }
   if (a.rank == 0) {
     const at::Tensor small = torch::ones({4});
     const double echo_small = median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", small); },
                                         a.small, a.small / 10);
+    const double remote_to_here = median_us(
+        [&] { (void)distrpc::remote<&ident>("worker1", small).to_here(); }, a.small, a.small / 10);
     const at::Tensor big = torch::ones({16 * 1024 * 1024});
     const double big_us =
         median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", big); }, a.big, 1);
@@ -118,12 +156,24 @@ int run_worker(const Args& a) {
     for (auto& f : inflight) f.wait();
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     const double cps = a.async_calls / secs;
+    // Idle group: both workers connected and doing nothing for 1 s (after 0.5 s for any spinning
+    // to stop). The two calls that read worker1's counter are inside the window's edges, not in it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const double w1_before = distrpc::rpc_sync<&process_cpu_seconds>("worker1");
+    const double w0_before = process_cpu_seconds();
+    const auto idle_t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const double w0_after = process_cpu_seconds();
+    const double idle_wall = std::chrono::duration<double>(Clock::now() - idle_t0).count();
+    const double w1_after = distrpc::rpc_sync<&process_cpu_seconds>("worker1");
+    const double idle_pct = 100.0 * ((w0_after - w0_before) + (w1_after - w1_before)) / idle_wall;
     std::ofstream out(a.out);
     char buf[512];
     std::snprintf(buf, sizeof buf,
                   "{\"transport\": \"%s\", \"echo_small_us\": %.1f, \"echo_64MiB_GBps\": %.3f, "
-                  "\"async_small_cps\": %.0f, \"remote_fwd_us\": null, \"dist_step_us\": null}",
-                  a.transport.c_str(), echo_small, gbps, cps);
+                  "\"async_small_cps\": %.0f, \"idle_cpu_pct\": %.2f, "
+                  "\"remote_to_here_us\": %.1f, \"remote_fwd_us\": null, \"dist_step_us\": null}",
+                  a.transport.c_str(), echo_small, gbps, cps, idle_pct, remote_to_here);
     out << buf << "\n";
   }
   distrpc::shutdown();

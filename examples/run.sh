@@ -10,3 +10,6 @@ echo "== 4 local processes rendezvous through a TCP store on 127.0.0.1"
 echo
 echo "== 4 local workers call each other over RPC (TCP on 127.0.0.1)"
 ./build/examples/hello_rpc --world 4
+echo
+echo "== a parameter server (worker0) and 3 trainers over RRef proxies"
+./build/examples/parameter_server --iterations 20

@@ -37,9 +37,26 @@ run_suite() {
   fi
 }
 
-for t in build/tests/test_*; do
-  [ -x "$t" ] && [ -f "$t" ] && run_suite "$(basename "$t")" "$t"
-done
+# The RPC suite runs once per transport policy, so a transport cannot pass by being untested.
+transports="${DISTRPC_TEST_TRANSPORTS:-tcp shm auto}"
+
+# run_suites DIR PREFIX: every test binary of a build directory (the RPC one per transport).
+run_suites() {
+  local dir="$1" prefix="$2" t name tr
+  for t in "$dir"/tests/test_*; do
+    [ -x "$t" ] && [ -f "$t" ] || continue
+    name="$prefix$(basename "$t")"
+    if [ "$(basename "$t")" = test_rpc ]; then
+      for tr in $transports; do
+        DISTRPC_TEST_TRANSPORT=$tr run_suite "$name[$tr]" "$t"
+      done
+    else
+      run_suite "$name" "$t"
+    fi
+  done
+}
+
+run_suites build ""
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the same suites (DISTRPC_SANITIZE=0 skips
 # it for a quick local run). Leak checking is off: libtorch keeps allocations alive until exit.
@@ -50,11 +67,8 @@ if [ "${DISTRPC_SANITIZE:-1}" != "0" ]; then
   if distrpc_build build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dexamples=false \
        -Dcpp_args=-Wno-maybe-uninitialized \
        >"$logdir/asan-build.log" 2>&1; then
-    for t in build-asan/tests/test_*; do
-      [ -x "$t" ] && [ -f "$t" ] || continue
-      ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-        run_suite "asan:$(basename "$t")" "$t"
-    done
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+      run_suites build-asan "asan:"
   else
     failed=$((failed + 1)); echo "   sanitizer build FAILED"; tail -50 "$logdir/asan-build.log"
   fi

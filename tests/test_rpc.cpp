@@ -37,6 +37,7 @@
 #include <distrpc/transport/tcp.hpp>
 
 #include "multiprocess.hpp"
+#include "support/rpc_under_test.hpp"
 
 using namespace std::chrono_literals;
 using distrpc::Future;
@@ -54,7 +55,7 @@ std::string wname(int rank) { return "worker" + std::to_string(rank); }
 // init_rpc as every case does it: worker{rank}, the run's file:// rendezvous.
 void init(const RankContext& ctx, RpcBackendOptions o = {}) {
   o.init_method = ctx.file_url();
-  distrpc::init_rpc<distrpc::transport::Tcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
 }
 
 // A fresh rendezvous file of this run (for a second init in the same processes).
@@ -558,7 +559,7 @@ DISTRPC_MP_TEST("rpc: API before init, double init, API after shutdown, re-init"
   RpcBackendOptions o;
   o.init_method = file_url(ctx, "twice");
   CHECK_THROWS_WITH(
-      distrpc::init_rpc<distrpc::transport::Tcp>(wname(ctx.rank), ctx.rank, ctx.world, o),
+      distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o),
       doctest::Contains("is already initialized"));
   const int dst = (ctx.rank + 1) % ctx.world;
   CHECK(distrpc::rpc_sync<&echo_int>(dst, 3) == 3);
@@ -578,23 +579,22 @@ DISTRPC_MP_TEST("rpc: API before init, double init, API after shutdown, re-init"
 
   // Re-init in the same processes with a fresh init method.
   o.init_method = file_url(ctx, "again");
-  distrpc::init_rpc<distrpc::transport::Tcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
   const auto x = at::ones({2, 2});
   CHECK(at::equal(distrpc::rpc_sync<&add>(dst, x, x), x * 2));
   distrpc::shutdown();
 }
 
 DISTRPC_MP_TEST("rpc: duplicate worker names fail on every rank", 4, 60) {
-  using distrpc::transport::Tcp;
   RpcBackendOptions o;
   // Every rank the same name.
   o.init_method = file_url(ctx, "dup-all");
-  CHECK_THROWS_WITH(distrpc::init_rpc<Tcp>("duplicate_name", ctx.rank, ctx.world, o),
+  CHECK_THROWS_WITH(distrpc::testing::init_rpc_under_test("duplicate_name", ctx.rank, ctx.world, o),
                     doctest::Contains("is not unique"));
   CHECK_FALSE(distrpc::is_initialized());
   // Only ranks 0 and 3 clash (worker_name(rank % (world - 1))): every rank still fails.
   o.init_method = file_url(ctx, "dup-one");
-  CHECK_THROWS_WITH(distrpc::init_rpc<Tcp>(wname(ctx.rank % (ctx.world - 1)), ctx.rank, ctx.world, o),
+  CHECK_THROWS_WITH(distrpc::testing::init_rpc_under_test(wname(ctx.rank % (ctx.world - 1)), ctx.rank, ctx.world, o),
                     doctest::Contains("is not unique"));
   CHECK_FALSE(distrpc::is_initialized());
   if (distrpc::is_initialized()) distrpc::shutdown(false);  // keep a broken library from hanging

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -211,7 +212,9 @@ bool closed_by_server(int fd) {
   return r < 0 && (errno == ECONNRESET || errno == EPIPE);
 }
 
-int free_port() { return distrpc::testing::free_loopback_port(); }
+int free_port() {
+  return distrpc::testing::free_loopback_port();
+}
 
 // The good peer still works both ways: proves one bad connection did not take the agent down.
 void check_still_works(Node& a, Node& b, std::uint64_t id) {
@@ -757,4 +760,106 @@ TEST_CASE("tcp: shutdown with traffic in flight does not hang, and no callback f
   CHECK(late_callbacks == 0);
   CHECK(failed == 3);  // every sender learned that the transport went away
   CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 9, "after")), DistNetworkError);
+}
+
+// Leader/follower (transport.hpp InlineScope): a task handed back from on_message runs on the
+// thread that read its message, after reading was re-armed, so a blocked task never stops the
+// connection; at most one runs at a time; the rest go to the fallback, each exactly once.
+TEST_CASE("tcp: a handed-back task runs on the reading thread without blocking reading") {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::uint64_t> order;                     // ids as on_message saw them
+  std::map<std::uint64_t, std::thread::id> read_on;     // id -> thread that delivered it
+  std::map<std::uint64_t, std::thread::id> ran_inline;  // id -> thread that ran its task inline
+  std::vector<std::function<void()>> queued;            // tasks passed to the fallback
+  std::vector<std::uint64_t> queued_ids;
+  int inline_now = 0, inline_max = 0;
+  bool release = false;
+
+  TransportCallbacks cb;
+  cb.on_message = [&](int, Message&& m) {
+    const std::uint64_t id = m.id;
+    const bool blocks = m.payload == "block";
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      order.push_back(id);
+      read_on[id] = std::this_thread::get_id();
+    }
+    cv.notify_all();
+    std::function<void()> task = [&, id, blocks] {
+      std::unique_lock<std::mutex> lk(mu);
+      ran_inline[id] = std::this_thread::get_id();
+      inline_max = std::max(inline_max, ++inline_now);
+      cv.notify_all();
+      if (blocks) cv.wait(lk, [&] { return release; });
+      --inline_now;
+    };
+    const std::function<bool(std::function<void()>)> fallback = [&, id](std::function<void()> t) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        queued.push_back(std::move(t));
+        queued_ids.push_back(id);
+      }
+      cv.notify_all();
+      return true;
+    };
+    // Refused when the scope already holds a task (a second message of the same read): the
+    // receiver queues it itself, as the agent does.
+    if (!distrpc::transport::offer_inline(task, fallback)) fallback(std::move(task));
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  Node a(0);
+  auto b = std::make_unique<Tcp::Context>(options_for(1), cb);
+  a.ctx->add_peer(1, "w1", b->address());
+  b->add_peer(0, "w0", a.ctx->address());
+
+  // 1. A lone message: its task runs inline, on the thread that read it.
+  a.ctx->send(1, make_message(MessageType::Request, 1, "block"));
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return ran_inline.count(1) == 1; }));
+    CHECK(ran_inline[1] == read_on[1]);
+  }
+  // 2. While it blocks, 50 more messages are still read and delivered in order (by the other
+  //    reading thread); none of their tasks runs inline (one is already running).
+  for (std::uint64_t id = 2; id <= 51; ++id) {
+    a.ctx->send(1, make_message(MessageType::Request, id, "quick"));
+  }
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    // (A task reaches the fallback just after its message was delivered: wait for both.)
+    CHECK(cv.wait_for(lk, 10s, [&] { return order.size() == 51 && queued.size() == 50; }));
+    CHECK(order.size() == 51);
+    CHECK(queued.size() == 50);
+    CHECK(ran_inline.size() == 1);
+    CHECK(read_on[2] != read_on[1]);
+    release = true;
+  }
+  cv.notify_all();
+  for (std::uint64_t i = 0; i < order.size(); ++i) CHECK(order[i] == i + 1);
+
+  // 3. Quiet again: the next lone message runs inline once more.
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return inline_now == 0; }));
+  }
+  a.ctx->send(1, make_message(MessageType::Request, 52, "quick"));
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return ran_inline.count(52) == 1; }));
+    CHECK(ran_inline[52] == read_on[52]);
+    CHECK(inline_max == 1);
+    // Every offered task went one way, exactly once.
+    std::set<std::uint64_t> seen(queued_ids.begin(), queued_ids.end());
+    CHECK(seen.size() == queued_ids.size());
+    for (const auto& [id, t] : ran_inline) CHECK(seen.count(id) == 0);
+    CHECK(seen.size() + ran_inline.size() == 52);
+  }
+  b->shutdown();
+  a.ctx->shutdown();
+  for (auto& t : queued) t();  // what the fallback received is a runnable task
+  CHECK(inline_max == 1);
+  std::function<void()> outside = [] {};
+  CHECK_FALSE(distrpc::transport::offer_inline(outside, {}));  // no scope open on this thread
+  CHECK(outside);                                              // and the task was not taken
 }

@@ -29,6 +29,7 @@
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
+#include "distrpc/rref/context.hpp"
 #include "distrpc/store/store.hpp"
 #include "distrpc/thread_pool.hpp"
 #include "distrpc/transport/transport.hpp"
@@ -44,20 +45,24 @@ inline std::string timeout_text(milliseconds t) {
          " ms) and will now be marked with an error";
 }
 
-// Counters the graceful-shutdown join compares across the group (user calls only).
+// Counters the graceful-shutdown join compares across the group: user calls and RRef protocol
+// messages (not the agent's own all-gathers).
 struct WorkCounters {
   std::uint64_t client_sent = 0;    // requests this worker sent
   std::uint64_t client_done = 0;    // of those, answered, failed or timed out
   std::uint64_t server_active = 0;  // requests being run here (including pending async ones)
+  // RRef protocol steps under way here between two counted messages (a fork request queued but
+  // not sent yet, a child accept due after a confirmation): a gauge, 0 when idle.
+  std::uint64_t protocol_pending = 0;
 
   friend bool operator==(const WorkCounters&, const WorkCounters&) = default;
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(client_sent, client_done, server_active);
+    ar(client_sent, client_done, server_active, protocol_pending);
   }
 };
 
-class RpcAgent {
+class RpcAgent : public detail::RRefHost {
  public:
   RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
       : self_(std::move(self)),
@@ -68,9 +73,10 @@ class RpcAgent {
                       static_cast<std::size_t>(std::max(1, opts.num_worker_threads))),
         // Callbacks may block on nested calls: this pool grows instead of starving them.
         callback_pool_("rpc-callback", 2, 1024),
+        rref_ctx_(std::make_shared<RRefContext>(*this)),
         timer_([this] { run_timer(); }) {}
 
-  virtual ~RpcAgent() {
+  ~RpcAgent() override {
     {
       std::lock_guard<std::mutex> lk(calls_mu_);
       timer_stop_ = true;
@@ -141,20 +147,25 @@ class RpcAgent {
   // ---- calls -------------------------------------------------------------------------------
   // Sends a request (header + arguments already encoded) and returns the future of the response
   // message. `what` names the call in error texts. Errors (unreachable peer, shut down, timeout,
-  // peer lost, remote exception) arrive through the future.
+  // peer lost, remote exception) arrive through the future. `type` is Request, or an RRef control
+  // kind (handled on the callee's callback pool). `on_unsent` runs if the message surely never
+  // left (the transport refused it), so forks made while encoding it can be undone.
   Future<wire::Message> call(const WorkerInfo& to, wire::Message&& request, milliseconds timeout,
-                             bool internal, const std::string& what) {
+                             bool internal, const std::string& what,
+                             wire::MessageType type = wire::MessageType::Request,
+                             const std::function<void()>& on_unsent = {}) {
     // No callback executor here: the typed layer decodes inline (library code) and puts the
     // executor on the future the user sees.
     Future<wire::Message> fut;
     if (stopped_.load()) {
+      if (on_unsent) on_unsent();
       fut.set_exception(
           RpcError("RPC has not been initialized or has been shut down: cannot call " + what +
                    " on " + to.str()));
       return fut;
     }
     const std::uint64_t id = next_id_.fetch_add(1) + 1;
-    request.type = wire::MessageType::Request;
+    request.type = type;
     request.id = id;
     {
       std::lock_guard<std::mutex> lk(calls_mu_);
@@ -169,9 +180,8 @@ class RpcAgent {
     if (to.id == self_.id) {
       // A call to self skips the transport but keeps value semantics: the callee gets copies.
       detail_clone_buffers(request);
-      if (!request_pool_.post([this, req = std::move(request)]() mutable {
-            handle_request(self_.id, std::move(req));
-          })) {
+      if (!dispatch_local(std::move(request))) {
+        if (on_unsent) on_unsent();
         fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self_.str() +
                                                        " is shutting down: cannot run " + what)));
       }
@@ -180,6 +190,7 @@ class RpcAgent {
     try {
       transport_send(to.id, std::move(request));
     } catch (...) {
+      if (on_unsent) on_unsent();
       fail_call(id, wrap_send_error(std::current_exception(), to, what));
     }
     return fut;
@@ -188,6 +199,10 @@ class RpcAgent {
   // ---- incoming ----------------------------------------------------------------------------
   // Transport callback (I/O thread): never runs user code, never blocks on it.
   void on_message(int peer, wire::Message&& m) {
+    if (wire::is_control_message_type(m.type)) {
+      hold_or_dispatch(peer, std::move(m));
+      return;
+    }
     switch (m.type) {
       case wire::MessageType::Request: {
         // A peer that finished init before us may call us while we still read the worker
@@ -212,11 +227,24 @@ class RpcAgent {
     }
   }
 
-  // Queues a request on the request pool. After shutdown began it is dropped: the caller learns
-  // through peer loss or its timeout.
+  // Queues a request on the request pool (a control message on the callback pool). After
+  // shutdown began it is dropped: the caller learns through peer loss or its timeout.
   void dispatch_request(int peer, wire::Message&& m) {
-    request_pool_.post(
-        [this, peer, msg = std::move(m)]() mutable { handle_request(peer, std::move(msg)); });
+    if (wire::is_control_message_type(m.type)) {
+      callback_pool_.post(
+          [this, peer, msg = std::move(m)]() mutable { handle_control(peer, std::move(msg)); });
+      return;
+    }
+    std::function<void()> task = [this, peer, msg = std::move(m)]() mutable {
+      handle_request(peer, std::move(msg));
+    };
+    // Leader/follower: the reading thread may run it itself once another thread took over the
+    // I/O (transport.hpp, InlineScope; docs/threading.md); otherwise it goes to the request pool.
+    if (transport::offer_inline(
+            task, [this](std::function<void()> t) { return request_pool_.post(std::move(t)); })) {
+      return;
+    }
+    request_pool_.post(std::move(task));
   }
 
   // Transport callback (I/O thread): every pending call to `peer` fails now, naming it.
@@ -242,6 +270,8 @@ class RpcAgent {
                                                              " failed: connection lost (" + reason +
                                                              ")")));
     }
+    // Forks the lost peer held are released; values may be destroyed, so not on this thread.
+    callback_pool_.post([ctx = rref_ctx_, peer] { ctx->on_peer_lost(peer); });
   }
 
   // ---- all-gather state (leader side) ------------------------------------------------------
@@ -329,7 +359,44 @@ class RpcAgent {
     out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
     out["num_active_server_calls"] = std::to_string(c.server_active);
     out["callback_pool_size"] = std::to_string(callback_pool_.size());
+    for (auto& [k, v] : rref_ctx_->debug_info()) out[k] = v;
     return out;
+  }
+
+  // The RRef bookkeeping of this agent (rref.hpp uses it; docs/rref.md).
+  const std::shared_ptr<RRefContext>& rref_context() const { return rref_ctx_; }
+
+  // ---- RRefHost --------------------------------------------------------------------------------
+  const WorkerInfo& host_self() const override { return self_; }
+  WorkerInfo host_worker(int id) const override { return worker(id); }
+  milliseconds host_timeout(milliseconds requested) const override {
+    return effective_timeout(requested);
+  }
+  Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
+                                          milliseconds timeout, const std::string& what) override {
+    WorkerInfo dst;
+    try {
+      dst = worker(to);
+    } catch (...) {
+      return make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
+  }
+  bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
+  void host_protocol_begin() override {
+    std::lock_guard<std::mutex> lk(calls_mu_);
+    ++counters_.protocol_pending;
+  }
+  void host_protocol_end() override {
+    std::lock_guard<std::mutex> lk(calls_mu_);
+    --counters_.protocol_pending;
+  }
+  detail::ExecutorFn host_user_executor() override {
+    return [this](std::function<void()> fn) {
+      if (!callback_pool_.post(std::move(fn))) {
+        throw RpcError("RPC agent of " + self_.str() + " is shut down: callback dropped");
+      }
+    };
   }
 
   ThreadPool& callback_pool() { return callback_pool_; }
@@ -403,11 +470,26 @@ class RpcAgent {
     for (auto& [peer, m] : early) dispatch_request(peer, std::move(m));
   }
 
+  // A peer that finished init before us may call us while we still read the worker table: hold
+  // its message until we know where to send the reply.
+  void hold_or_dispatch(int peer, wire::Message&& m) {
+    if (!group_ready_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lk(group_mu_);
+      if (!group_ready_.load(std::memory_order_relaxed)) {
+        early_requests_.emplace_back(peer, std::move(m));
+        return;
+      }
+    }
+    dispatch_request(peer, std::move(m));
+  }
+
   // Local stop: with `sync_exit`, first a store barrier so no worker closes its transport while
   // another still talks to it, and the rank hosting the store server leaves last. Then the
   // transport stops, pending calls fail, and the pools drain and join. Never waits forever.
   void stop(bool sync_exit, milliseconds barrier_timeout) {
     if (stopped_.exchange(true)) return;
+    // No RRef protocol message is sent from now on; user RRefs still alive are dead.
+    rref_ctx_->close();
     std::exception_ptr barrier_error;
     if (sync_exit && store_) {
       try {
@@ -416,16 +498,12 @@ class RpcAgent {
         barrier_error = std::current_exception();
       }
     }
+    // Pending calls fail before the transport stops too: a request running on a reading thread
+    // (leader/follower) may wait on one of them, and the transport joins that thread. And after,
+    // for a call that raced past the `stopped_` check.
+    fail_pending_calls();
     transport_shutdown();
-    std::vector<std::uint64_t> ids;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      for (auto& [id, p] : calls_) ids.push_back(id);
-    }
-    for (auto id : ids) {
-      fail_call(id, std::make_exception_ptr(
-                        RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
-    }
+    fail_pending_calls();
     request_pool_.shutdown();
     callback_pool_.shutdown();
     if (sync_exit && store_) {
@@ -448,6 +526,19 @@ class RpcAgent {
   virtual void transport_shutdown() = 0;
 
  private:
+  // Fails every call still waiting for a reply (local stop).
+  void fail_pending_calls() {
+    std::vector<std::uint64_t> ids;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      for (auto& [id, p] : calls_) ids.push_back(id);
+    }
+    for (auto id : ids) {
+      fail_call(id, std::make_exception_ptr(
+                        RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
+    }
+  }
+
   using Clock = std::chrono::steady_clock;
 
   struct Pending {
@@ -490,22 +581,39 @@ class RpcAgent {
   // Removes call `id` and fails its future; false if it already completed.
   bool fail_call(std::uint64_t id, std::exception_ptr e) {
     Future<wire::Message> f;
+    bool internal = true;
     {
       std::lock_guard<std::mutex> lk(calls_mu_);
       auto it = calls_.find(id);
       if (it == calls_.end()) return false;
       f = it->second.future;
+      internal = it->second.internal;
       if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
-      if (!it->second.internal) ++counters_.client_done;
       calls_.erase(it);
+      count_done_locked(internal);
     }
     f.try_set_exception(std::move(e));
+    settled(internal);
     return true;
+  }
+
+  // A call is done, but its future's inline callbacks have not run yet; those may queue RRef
+  // protocol work. The gauge covers that gap, so the join never sees "idle" in between.
+  void count_done_locked(bool internal) {
+    if (internal) return;
+    ++counters_.client_done;
+    ++counters_.protocol_pending;
+  }
+  void settled(bool internal) {
+    if (internal) return;
+    std::lock_guard<std::mutex> lk(calls_mu_);
+    --counters_.protocol_pending;
   }
 
   void complete_call(int peer, wire::Message&& m) {
     Future<wire::Message> f;
     WorkerInfo to;
+    bool internal = true;
     {
       std::lock_guard<std::mutex> lk(calls_mu_);
       auto it = calls_.find(m.id);
@@ -520,9 +628,10 @@ class RpcAgent {
       }
       f = it->second.future;
       to = it->second.to;
+      internal = it->second.internal;
       if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
-      if (!it->second.internal) ++counters_.client_done;
       calls_.erase(it);
+      count_done_locked(internal);
     }
     if (m.type == wire::MessageType::Exception) {
       WireException w;
@@ -535,6 +644,7 @@ class RpcAgent {
     } else {
       f.try_set_value(std::move(m));
     }
+    settled(internal);
   }
 
   void handle_request(int peer, wire::Message&& req) {
@@ -564,11 +674,55 @@ class RpcAgent {
                        ": the callee's is '" + entry->signature_text +
                        "' and the caller's differs (rebuild both sides from the same source)");
       }
-      result = entry->handler(req);
+      // RRefs among the arguments come from `peer`; RRefs in the result go back to it.
+      detail::RRefEncodeScope enc{rref_ctx_, peer, {}};
+      detail::RRefDecodeScope dec{rref_ctx_, peer, {}};
+      detail::EncodeScopeGuard enc_guard(detail::tls_rref_encode, &enc);
+      detail::DecodeScopeGuard dec_guard(detail::tls_rref_decode, &dec);
+      if (h.mode == CallMode::remote) {
+        result = rref_ctx_->run_remote(peer, h, entry->remote_handler, req);
+      } else {
+        result = entry->handler(req);
+      }
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
-    auto respond = [this, peer, id, name = h.name, counted](const Future<wire::Message>& done) {
+    reply_when_done(peer, id, h.name, counted, std::move(result));
+  }
+
+  // An RRef protocol message (on the callback pool).
+  void handle_control(int peer, wire::Message&& req) {
+    const std::uint64_t id = req.id;
+    const int kind =
+        static_cast<int>(req.type) - static_cast<int>(wire::MessageType::kFirstControl);
+    Future<wire::Message> result;
+    std::string name = "control message " + std::to_string(kind);
+    try {
+      if (kind < 0 || kind >= kRRefControlKinds) {
+        throw RpcError("unknown control message kind " + std::to_string(kind) + " from worker " +
+                       std::to_string(peer) + " (on " + self_.str() + ")");
+      }
+      name = rref_control_name(static_cast<RRefControl>(kind));
+      result = rref_ctx_->handle_control(peer, static_cast<RRefControl>(kind), req);
+    } catch (...) {
+      result = make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    reply_when_done(peer, id, name, /*counted=*/false, std::move(result));
+  }
+
+  // Queues a message sent to this worker itself (value semantics kept by the caller).
+  bool dispatch_local(wire::Message&& request) {
+    if (wire::is_control_message_type(request.type)) {
+      return callback_pool_.post(
+          [this, req = std::move(request)]() mutable { handle_control(self_.id, std::move(req)); });
+    }
+    return request_pool_.post(
+        [this, req = std::move(request)]() mutable { handle_request(self_.id, std::move(req)); });
+  }
+
+  void reply_when_done(int peer, std::uint64_t id, const std::string& name, bool counted,
+                       Future<wire::Message> result) {
+    auto respond = [this, peer, id, name, counted](const Future<wire::Message>& done) {
       wire::Message out;
       if (done.has_error()) {
         WireException w = ExceptionRegistry::instance().encode(done.exception_ptr());
@@ -630,11 +784,13 @@ class RpcAgent {
       auto f = it->second.future;
       const std::string text = timeout_text(it->second.timeout) + " (" + it->second.what + " on " +
                                it->second.to.str() + ")";
-      if (!it->second.internal) ++counters_.client_done;
+      const bool internal = it->second.internal;
       calls_.erase(it);
+      count_done_locked(internal);
       lk.unlock();
       f.try_set_exception(std::make_exception_ptr(RpcTimeoutError(text)));
       lk.lock();
+      if (!internal) --counters_.protocol_pending;
     }
   }
 
@@ -695,6 +851,7 @@ class RpcAgent {
 
   ThreadPool request_pool_;
   ThreadPool callback_pool_;
+  std::shared_ptr<RRefContext> rref_ctx_;
   std::thread timer_;
 };
 

@@ -21,9 +21,18 @@
 
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
+#include "distrpc/rref/id.hpp"
+#include "distrpc/rref/scope.hpp"
+#include "distrpc/rref/value.hpp"
 #include "distrpc/wire.hpp"
 
 namespace distrpc {
+
+// How a request wants its function run.
+enum class CallMode : std::uint8_t {
+  call = 0,    // rpc_sync / rpc_async: the result travels back
+  remote = 1,  // remote(): the result stays with the callee, who owns RRef `rref_id`
+};
 
 // The first value of every request payload: which function, and how it is typed.
 struct RequestHeader {
@@ -31,10 +40,24 @@ struct RequestHeader {
   std::uint64_t signature = 0;
   // Calls the agent makes for itself (all-gather, join) are not counted as user work.
   bool internal = false;
+  CallMode mode = CallMode::call;
+  // Only for CallMode::remote: the RRef the callee creates, and the caller's fork of it (equal to
+  // rref_id when the caller is the owner itself).
+  RRefId rref_id{};
+  ForkId fork_id{};
 
   template <class Archive>
-  void serialize(Archive& ar) {
-    ar(name, signature, internal);
+  void save(Archive& ar) const {
+    ar(name, signature, internal, static_cast<std::uint8_t>(mode));
+    if (mode == CallMode::remote) ar(rref_id, fork_id);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    std::uint8_t m = 0;
+    ar(name, signature, internal, m);
+    if (m > 1) throw wire::DecodeError("unknown call mode " + std::to_string(m) + " in a request");
+    mode = static_cast<CallMode>(m);
+    if (mode == CallMode::remote) ar(rref_id, fork_id);
   }
 };
 
@@ -42,11 +65,14 @@ namespace detail {
 
 // Runs a decoded request; returns the response message (ready, or later for async functions).
 using Handler = std::function<Future<wire::Message>(const wire::Message& request)>;
+// Runs a decoded remote() request; returns the value the owner's RRef will hold.
+using RemoteHandler = std::function<Future<BoxedValue>(const wire::Message& request)>;
 
 struct RegistryEntry {
   std::uint64_t signature = 0;
   std::string signature_text;
   Handler handler;
+  RemoteHandler remote_handler;
 };
 
 }  // namespace detail
@@ -59,10 +85,10 @@ class Registry {
   }
 
   void add(std::string name, std::uint64_t signature, std::string signature_text,
-           detail::Handler handler) {
+           detail::Handler handler, detail::RemoteHandler remote_handler = {}) {
     std::lock_guard<std::mutex> lk(mu_);
-    entries_[std::move(name)] =
-        detail::RegistryEntry{signature, std::move(signature_text), std::move(handler)};
+    entries_[std::move(name)] = detail::RegistryEntry{
+        signature, std::move(signature_text), std::move(handler), std::move(remote_handler)};
   }
 
   std::optional<detail::RegistryEntry> find(const std::string& name) const {
@@ -95,30 +121,80 @@ inline wire::Message empty_response() {
   return m;
 }
 
+template <auto F>
+using fn_result_t = typename fn_traits<decltype(F)>::result;
+
+// Decodes (header, args...) and waits until the owner confirmed every RRef among the arguments.
+template <auto F>
+typename fn_traits<decltype(F)>::args decode_arguments(const wire::Message& request) {
+  RequestHeader header;
+  typename fn_traits<decltype(F)>::args args;
+  wire::decode(request, header, args);
+  await_rref_confirmations();
+  return args;
+}
+
 // The handler of F: decode (header, args...), call, encode the result.
 template <auto F>
 Future<wire::Message> invoke(const wire::Message& request) {
-  using Traits = fn_traits<decltype(F)>;
-  using R = typename Traits::result;
-  RequestHeader header;
-  typename Traits::args args;
-  wire::decode(request, header, args);
-  if constexpr (is_future_v<R>) {
-    using U = future_value_t<R>;
-    R fut = std::apply(F, std::move(args));
-    return fut.then([](const R& done) {
-      if constexpr (std::is_void_v<U>) {
-        done.value();
-        return empty_response();
-      } else {
-        return response_with(done.value());
-      }
-    });
-  } else if constexpr (std::is_void_v<R>) {
-    std::apply(F, std::move(args));
-    return make_ready_future(empty_response());
+  using R = fn_result_t<F>;
+  using V = unwrap_future_t<R>;
+  if constexpr (!std::is_void_v<V> && !wire_serializable_v<V>) {
+    (void)request;
+    throw std::invalid_argument(
+        "the result of '" + std::string(function_name<F>()) + "' (type '" +
+        std::string(type_name<V>()) +
+        "') cannot be serialized: call it with distrpc::remote() to keep it on the callee");
   } else {
-    return make_ready_future(response_with(std::apply(F, std::move(args))));
+    auto args = decode_arguments<F>(request);
+    if constexpr (is_future_v<R>) {
+      // The result is encoded later, on another thread: carry the encoding scope (where RRefs in
+      // the result are forked to) over to it.
+      std::shared_ptr<RRefEncodeScope> scope;
+      if (tls_rref_encode != nullptr) {
+        scope = std::make_shared<RRefEncodeScope>();
+        scope->ctx = tls_rref_encode->ctx;
+        scope->dst = tls_rref_encode->dst;
+      }
+      R fut = std::apply(F, std::move(args));
+      return fut.then([scope](const R& done) {
+        EncodeScopeGuard guard(tls_rref_encode, scope.get());
+        if constexpr (std::is_void_v<V>) {
+          done.value();
+          return empty_response();
+        } else {
+          return response_with(done.value());
+        }
+      });
+    } else if constexpr (std::is_void_v<R>) {
+      std::apply(F, std::move(args));
+      return make_ready_future(empty_response());
+    } else {
+      return make_ready_future(response_with(std::apply(F, std::move(args))));
+    }
+  }
+}
+
+// The remote() handler of F: decode, call, and box the result for the owner's RRef.
+template <auto F>
+Future<BoxedValue> invoke_boxed(const wire::Message& request) {
+  using R = fn_result_t<F>;
+  using V = unwrap_future_t<R>;
+  if constexpr (std::is_void_v<V>) {
+    (void)request;
+    throw std::invalid_argument("'" + std::string(function_name<F>()) +
+                                "' returns void: distrpc::remote() needs a value to own");
+  } else {
+    auto args = decode_arguments<F>(request);
+    if constexpr (is_future_v<R>) {
+      R fut = std::apply(F, std::move(args));
+      return fut.then([](const R& done) {
+        return BoxedValue{std::make_shared<V>(done.value()), value_ops<V>()};
+      });
+    } else {
+      return make_ready_future(
+          BoxedValue{std::make_shared<V>(std::apply(F, std::move(args))), value_ops<V>()});
+    }
   }
 }
 
@@ -126,7 +202,7 @@ template <auto F>
 struct Registrar {
   static bool add() {
     Registry::instance().add(std::string(function_name<F>()), signature_hash<F>(),
-                             std::string(type_name<decltype(F)>()), &invoke<F>);
+                             std::string(type_name<decltype(F)>()), &invoke<F>, &invoke_boxed<F>);
     return true;
   }
   // Odr-using this from a call site instantiates it: the binary that calls F also serves F.

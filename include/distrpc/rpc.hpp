@@ -10,7 +10,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -87,17 +89,22 @@ inline std::shared_ptr<RpcAgent> current_agent() {
       "`distrpc::init_rpc`)?");
 }
 
+// The typed result of a call to worker `from` (RRefs in it were forked by `from`).
 template <class T>
-Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent) {
-  Future<T> typed = reply.then([](const Future<wire::Message>& done) {
-    if constexpr (std::is_void_v<T>) {
-      done.value();
-    } else {
-      T out{};
-      wire::decode(done.value(), out);
-      return out;
-    }
-  });
+Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent,
+                       int from) {
+  Future<T> typed =
+      reply.then([ctx = agent->rref_context(), from](const Future<wire::Message>& done) {
+        if constexpr (std::is_void_v<T>) {
+          done.value();
+        } else {
+          T out{};
+          RRefDecodeScope scope{ctx, from, {}};
+          DecodeScopeGuard guard(tls_rref_decode, &scope);
+          wire::decode(done.value(), out);
+          return out;
+        }
+      });
   // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool.
   set_callback_executor(typed, agent->callback_executor());
   return typed;
@@ -135,17 +142,42 @@ struct call_result<F, true> {
 template <auto F>
 using call_result_t = typename call_result<F>::type;
 
+// Encodes (header, packed arguments) for `dst` and sends it. RRefs among the arguments are forked
+// to `dst`; the forks are undone if encoding fails or the message is never sent.
+template <class Packed>
+Future<wire::Message> send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+                                  std::chrono::milliseconds timeout, const RequestHeader& header,
+                                  const Packed& packed, const std::string& what) {
+  wire::Message m;
+  auto scope = std::make_shared<RRefEncodeScope>();
+  scope->ctx = agent->rref_context();
+  scope->dst = dst.id;
+  {
+    EncodeScopeGuard guard(tls_rref_encode, scope.get());
+    try {
+      wire::encode(m, header, packed);
+    } catch (...) {
+      scope->rollback();
+      throw;
+    }
+  }
+  std::function<void()> undo;
+  if (!scope->undo.empty()) undo = [scope] { scope->rollback(); };
+  return agent->call(dst, std::move(m), timeout, header.internal, what, wire::MessageType::Request,
+                     undo);
+}
+
 template <auto F, class... A>
-Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const Destination& to,
+Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
                                 CallOptions opts, bool internal, A&&... args) {
   ensure_registered<F>();
-  const WorkerInfo dst = to.resolve(*agent);
   const auto timeout = agent->effective_timeout(opts.timeout);
-  wire::Message m;
   typename fn_traits<decltype(F)>::args packed(std::forward<A>(args)...);
-  wire::encode(m, RequestHeader{std::string(function_name<F>()), signature_hash<F>(), internal},
-               packed);
-  return agent->call(dst, std::move(m), timeout, internal,
+  RequestHeader h;
+  h.name = std::string(function_name<F>());
+  h.signature = signature_hash<F>();
+  h.internal = internal;
+  return send_packed(agent, dst, timeout, h, packed,
                      "call to '" + std::string(function_name<F>()) + "'");
 }
 
@@ -194,8 +226,9 @@ template <auto F, class... A>
 Future<detail::call_result_t<F>> rpc_async(const Destination& to, CallOptions opts, A&&... args) {
   detail::check_call<F, A...>();
   auto agent = detail::current_agent();
-  auto reply = detail::send_call<F>(agent, to, opts, /*internal=*/false, std::forward<A>(args)...);
-  auto typed = detail::decode_reply<detail::call_result_t<F>>(reply, agent);
+  const WorkerInfo dst = to.resolve(*agent);
+  auto reply = detail::send_call<F>(agent, dst, opts, /*internal=*/false, std::forward<A>(args)...);
+  auto typed = detail::decode_reply<detail::call_result_t<F>>(reply, agent, dst.id);
   detail::register_in_scope(typed);
   return typed;
 }
@@ -278,8 +311,10 @@ inline c10::IValue run_builtin(std::string schema, std::vector<c10::IValue> args
 inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
                                      std::vector<c10::IValue> args, CallOptions opts = {}) {
   auto agent = detail::current_agent();
-  auto reply = detail::send_call<&detail::run_builtin>(agent, to, opts, false, op, std::move(args));
-  auto typed = detail::decode_reply<c10::IValue>(reply, agent);
+  const WorkerInfo dst = to.resolve(*agent);
+  auto reply =
+      detail::send_call<&detail::run_builtin>(agent, dst, opts, false, op, std::move(args));
+  auto typed = detail::decode_reply<c10::IValue>(reply, agent, dst.id);
   detail::register_in_scope(typed);
   return typed;
 }
@@ -368,8 +403,9 @@ inline std::map<std::string, std::string> all_gather_blobs(const std::shared_ptr
     }
     return fut.value();
   }
-  auto reply = send_call<&gather_contribute>(agent, leader, CallOptions{limit}, /*internal=*/true,
-                                             key, seq, names, me, std::move(blob));
+  auto reply =
+      send_call<&gather_contribute>(agent, agent->worker(leader), CallOptions{limit},
+                                    /*internal=*/true, key, seq, names, me, std::move(blob));
   std::map<std::string, std::string> out;
   wire::decode(reply.value(), out);
   return out;
@@ -438,8 +474,10 @@ inline void join_group_work(const std::shared_ptr<RpcAgent>& agent,
       total.client_sent += c.client_sent;
       total.client_done += c.client_done;
       total.server_active += c.server_active;
+      total.protocol_pending += c.protocol_pending;
     }
-    const bool idle = total.client_sent == total.client_done && total.server_active == 0;
+    const bool idle = total.client_sent == total.client_done && total.server_active == 0 &&
+                      total.protocol_pending == 0;
     if (idle && previous && *previous == total) return;
     previous = total;
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -448,16 +486,42 @@ inline void join_group_work(const std::shared_ptr<RpcAgent>& agent,
 
 }  // namespace detail
 
+namespace detail {
+// Tests switch the RRef purge of graceful shutdown off to see the leak check fire (PyTorch's
+// tests mock _delete_all_user_and_unforked_owner_rrefs for the same purpose).
+inline std::atomic<bool>& rref_purge_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace detail
+
 // Stops this process's agent. Graceful (the default): wait for every worker, then until no call
-// is outstanding anywhere in the group, then stop locally; if a step fails its error reaches the
+// is outstanding anywhere in the group, then release every user RRef (and wait until every
+// worker did), check for leaked RRefs, and stop locally; if a step fails its error reaches the
 // caller and the local stop still runs. Not graceful: local stop only, never waits on peers.
+// Leaked RRefs (forks still recorded on an owner) fail a graceful shutdown with "Leaking RRef"
+// unless set_ignore_rref_leak(true).
 inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = kNoRpcTimeout) {
   auto agent = detail::current_agent();
   std::exception_ptr error;
+  std::exception_ptr leak_error;  // reported after a complete (synchronized) local stop
   if (graceful) {
     try {
       wait_all_workers(timeout);
       detail::join_group_work(agent, timeout);
+      if (detail::rref_purge_enabled().load()) {
+        auto limit = timeout.count() > 0 ? timeout : agent->default_timeout();
+        if (limit.count() == 0) limit = std::chrono::seconds(60);
+        agent->rref_context()->purge(limit);
+      }
+      // Every worker's deletes are answered before anyone checks for leaks.
+      barrier({}, timeout);
+      const std::string leaks = agent->rref_context()->leak_report();
+      if (!leaks.empty()) {
+        std::fprintf(stderr, "distrpc: %s: RRef leaks detected during shutdown:\n%s",
+                     agent->self().name.c_str(), leaks.c_str());
+        if (!ignore_rref_leak_flag().load()) leak_error = std::make_exception_ptr(RpcError(leaks));
+      }
     } catch (...) {
       error = std::current_exception();
     }
@@ -474,6 +538,10 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
     rt.was_shut_down = true;
   }
   if (error) std::rethrow_exception(error);
+  if (leak_error) std::rethrow_exception(leak_error);
 }
 
 }  // namespace distrpc
+
+// RRef<T> and remote(): included here so that <distrpc/rpc.hpp> offers all three call modes.
+#include "distrpc/rref.hpp"

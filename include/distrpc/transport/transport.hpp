@@ -40,6 +40,80 @@ struct TransportCallbacks {
   std::function<void(int peer, const std::string& reason)> on_peer_lost;
 };
 
+// ---- Leader/follower hand-off (optional for a policy) ---------------------------------------
+// A small call crosses four thread hand-offs: the callee's I/O thread wakes, posts the request to
+// a pool thread (a second wake-up), the reply wakes the caller's I/O thread, which wakes the
+// caller. A policy whose reading threads can take turns lets the receiver skip the second one:
+// while it calls on_message it opens an InlineScope; the receiver may hand one task back through
+// offer_inline() instead of posting it to its pool; the transport runs that task on the receiving
+// thread only after it re-armed reading and while another of its threads keeps doing I/O, so I/O
+// never waits on the task (the thread is a worker for that time, not the I/O thread). Otherwise it
+// passes the task to the receiver's fallback, which queues it as usual. A policy that opens no
+// scope changes nothing: offer_inline() returns false and the receiver posts as before.
+struct InlineTask {
+  std::function<void()> run;
+  // Queues `run` elsewhere (the receiver's pool); false if that was refused (shutting down).
+  std::function<bool(std::function<void()>)> fallback;
+};
+
+namespace detail {
+inline thread_local InlineTask* inline_slot = nullptr;  // the scope open on this thread, if any
+}  // namespace detail
+
+// Receiver side, inside on_message: true when the task was taken (the transport will run or
+// queue it); false when no scope is open here or it already holds a task.
+inline bool offer_inline(std::function<void()>& run,
+                         const std::function<bool(std::function<void()>)>& fallback) {
+  if (detail::inline_slot == nullptr || detail::inline_slot->run) return false;
+  detail::inline_slot->run = std::move(run);
+  detail::inline_slot->fallback = fallback;
+  return true;
+}
+
+// Transport side: open around the on_message calls of one read, take() after re-arming. A task
+// never taken (an early return on a protocol error) is queued through its fallback, never lost.
+class InlineScope {
+ public:
+  InlineScope() : outer_(detail::inline_slot) { detail::inline_slot = &slot_; }
+  ~InlineScope() {
+    close();
+    release_to_fallback();
+  }
+
+  // Queues a task offered so far through its fallback; the scope keeps accepting offers.
+  void release_to_fallback() {
+    if (!slot_.run) return;
+    InlineTask t = std::move(slot_);
+    slot_ = InlineTask{};
+    // A refusal means the receiver is shutting down: it would have dropped a posted task too.
+    if (t.fallback) {
+      try {
+        t.fallback(std::move(t.run));
+      } catch (...) {
+      }
+    }
+  }
+  InlineScope(const InlineScope&) = delete;
+  InlineScope& operator=(const InlineScope&) = delete;
+
+  bool holds_task() const { return static_cast<bool>(slot_.run); }
+
+  // Stops accepting offers and returns what was offered (run empty when nothing was).
+  InlineTask take() {
+    close();
+    InlineTask t = std::move(slot_);
+    slot_ = InlineTask{};
+    return t;
+  }
+
+ private:
+  void close() {
+    if (detail::inline_slot == &slot_) detail::inline_slot = outer_;
+  }
+  InlineTask slot_;
+  InlineTask* outer_;
+};
+
 // The concept. A policy P provides:
 //   static constexpr std::string_view name;      e.g. "tcp"
 //   static bool viable();                        usable on this machine at all

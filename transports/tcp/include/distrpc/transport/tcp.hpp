@@ -8,10 +8,12 @@
 //
 // Threads: the calling thread connects (with retries until connect_timeout), handshakes and writes
 // (a gathered write under a per-connection mutex: no queue, no hand-off, which is what keeps a
-// small call fast). One listener thread accepts and handshakes incoming connections. One I/O thread
-// reads every established connection and runs the callbacks. Handshakes never wait for the I/O
-// thread, so a send made from inside a callback (a reply) cannot deadlock two processes connecting
-// to each other at the same time.
+// small call fast). One listener thread (Asio) accepts and handshakes incoming connections. Two
+// reading threads share one epoll set of the established connections (one-shot registrations, so
+// the kernel hands each ready connection to one of them) and run the callbacks; one of them may run
+// a request it read while the other keeps reading (leader/follower, transport.hpp InlineScope and
+// docs/threading.md). Handshakes never wait for the reading threads, so a send made from inside a
+// callback (a reply) cannot deadlock two processes connecting to each other at the same time.
 #pragma once
 
 #include <fcntl.h>
@@ -20,6 +22,8 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -52,6 +56,7 @@
 #include <string_view>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -79,11 +84,14 @@ using Clock = std::chrono::steady_clock;
 
 // Bytes read per receive into a connection's buffer; several small frames fit in one read.
 inline constexpr std::size_t kReadBufferBytes = 64 * 1024;
+// Threads reading established connections, all blocked in epoll_wait on one epoll set with
+// one-shot registrations, so the kernel wakes one of them per ready connection and no thread
+// wakes another. Two, so one can run a request it read (leader/follower, transport.hpp
+// InlineScope) while the other keeps reading: at most kReadThreads - 1 run tasks at a time.
+inline constexpr int kReadThreads = 2;
 // A body with at least this much still to come is read straight into its tensors, not via the
 // buffer.
 inline constexpr std::size_t kDirectReadBytes = 32 * 1024;
-// A direct read may take this much per syscall (Asio's default is 64 KiB).
-inline constexpr std::size_t kDirectReadChunk = std::size_t{16} << 20;
 // Receive buffers at least this large are pre-faulted in bulk before the read (see prefault()).
 inline constexpr std::size_t kPrefaultBytes = std::size_t{1} << 20;
 // MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name, older kernels return EINVAL.
@@ -203,8 +211,8 @@ inline int wait_fd(int fd, short events, std::optional<Clock::time_point> deadli
   }
 }
 
-// Writes every byte of `iov` (consumed in place). The fd may be non-blocking (Asio makes it so for
-// its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.
+// Writes every byte of `iov` (consumed in place). The fd may be non-blocking (the reader makes it
+// so for its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.
 inline int write_all(int fd, iovec* iov, std::size_t count,
                      std::optional<Clock::time_point> deadline, const std::atomic<bool>& stopping) {
   while (count > 0 && iov->iov_len == 0) {
@@ -279,16 +287,15 @@ class FdGuard {
 
 // One established (handshaken) TCP connection, in either direction.
 //
-// Its fd is written by sending threads (raw sendmsg, under write_mu) and read by the I/O thread
-// (Asio). It is closed only on the I/O thread, or by shutdown() once that thread has stopped, and
-// only while holding write_mu, so a writer never touches a closed (possibly reused) fd;
+// Its fd (non-blocking) is written by sending threads (raw sendmsg, under write_mu) and read by
+// one reading thread at a time (the one-shot epoll registration hands it to exactly one). It is
+// closed only by the reading thread that holds it, or by shutdown() once those threads stopped,
+// and only while holding write_mu, so a writer never touches a closed (possibly reused) fd;
 // ::shutdown() first, so a writer blocked on a full socket wakes at once instead of holding
 // write_mu.
 struct Connection {
-  explicit Connection(asio::io_context& io) : socket(io) {}
-
-  asio::ip::tcp::socket socket;
   int fd = -1;
+  std::uint64_t token = 0;  // its key in the epoll set (never reused; 0 is the wake-up eventfd)
   bool outgoing = false;
   int peer = -1;
   std::string peer_name;
@@ -301,7 +308,7 @@ struct Connection {
   std::mutex failure_mu;
   std::string failure;  // why a writer broke the connection, reported instead of the bare EOF
 
-  // Receive state, touched only on the I/O thread.
+  // Receive state, touched only by the reading thread that holds the connection.
   std::unique_ptr<char[]> rbuf;
   std::size_t rbeg = 0, rend = 0;
   std::optional<wire::FrameDecoder> decoder;
@@ -310,7 +317,6 @@ struct Connection {
   wire::Message msg;
   std::size_t seg = 0, seg_off = 0;  // segment 0 is the payload, segment i > 0 is buffer i - 1
   std::uint64_t body_total = 0, body_received = 0;
-  std::vector<asio::mutable_buffer> direct;  // live while a direct read is in flight
 
   std::string describe() const {
     return "worker " + std::to_string(peer) + " ('" + peer_name + "') at " + remote;
@@ -338,9 +344,8 @@ struct Connection {
     {
       std::scoped_lock lk(write_mu, close_mu);
       closed.store(true);
+      ::close(fd);  // also leaves the epoll set
     }
-    asio::error_code ec;
-    socket.close(ec);
     return true;
   }
 };
@@ -388,12 +393,29 @@ class Impl : public std::enable_shared_from_this<Impl> {
   Impl(const TransportOptions& options, TransportCallbacks callbacks)
       : options_(options),
         callbacks_(std::move(callbacks)),
-        io_work_(asio::make_work_guard(io_)),
         lio_work_(asio::make_work_guard(lio_)),
         acceptor_(lio_),
         accept_retry_(lio_) {
     if (!options_.auth_token.empty()) token_ = options_.auth_token;
+    epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epfd_ < 0)
+      throw DistNetworkError("distrpc tcp: epoll_create1 failed: " + errno_text(errno));
+    wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wakefd_ < 0) {
+      ::close(epfd_);
+      throw DistNetworkError("distrpc tcp: eventfd failed: " + errno_text(errno));
+    }
+    // Level-triggered and never drained: once written, it wakes every reading thread to exit.
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = 0;
+    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
     listen();
+  }
+
+  ~Impl() {
+    if (epfd_ >= 0) ::close(epfd_);
+    if (wakefd_ >= 0) ::close(wakefd_);
   }
 
   // Separate from the constructor: the threads hold a shared_ptr to this.
@@ -401,7 +423,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     accept_next();
     auto self = shared_from_this();
     listen_thread_ = std::thread([self] { self->run_loop(self->lio_, "distrpc-tcp-lsn"); });
-    io_thread_ = std::thread([self] { self->run_loop(self->io_, "distrpc-tcp-io"); });
+    for (int i = 0; i < kReadThreads; ++i) {
+      read_threads_.emplace_back([self] { self->read_loop(); });
+    }
   }
 
   const std::string& address() const { return address_; }
@@ -450,12 +474,14 @@ class Impl : public std::enable_shared_from_this<Impl> {
       conns.assign(conns_.begin(), conns_.end());
     }
     for (auto& c : conns) c->shutdown_fd();
-    io_work_.reset();
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto w = ::write(wakefd_, &one, sizeof one);
     lio_work_.reset();
-    io_.stop();
     lio_.stop();
     const auto me = std::this_thread::get_id();
-    for (std::thread* t : {&listen_thread_, &io_thread_}) {
+    std::vector<std::thread*> threads{&listen_thread_};
+    for (auto& t : read_threads_) threads.push_back(&t);
+    for (std::thread* t : threads) {
       if (!t->joinable()) continue;
       // Called from a callback: this thread cannot join itself; it returns to a stopped loop and
       // exits, holding the last reference to this object if the Context is gone by then.
@@ -473,6 +499,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     {
       std::lock_guard<std::mutex> lk(mu_);
       conns_.clear();
+      by_token_.clear();
       for (auto& [id, p] : peers_) {
         std::lock_guard<std::mutex> plk(p->mu);
         p->out.reset();
@@ -511,8 +538,32 @@ class Impl : public std::enable_shared_from_this<Impl> {
   bool register_connection(const std::shared_ptr<Connection>& c) {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_.load()) return false;
+    c->token = ++next_token_;
     conns_.insert(c);
+    by_token_.emplace(c->token, c);
     return true;
+  }
+
+  std::shared_ptr<Connection> by_token(std::uint64_t token) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = by_token_.find(token);
+    return it == by_token_.end() ? nullptr : it->second;
+  }
+
+  // Hands the connection to the reading threads: the first readiness goes to one of them.
+  void start_reading(const std::shared_ptr<Connection>& c) {
+    c->rbuf = std::make_unique<char[]>(kReadBufferBytes);
+    c->decoder.emplace(options_.limits);
+    const int flags = ::fcntl(c->fd, F_GETFL);
+    if (flags < 0 || ::fcntl(c->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+      return lose(c, "cannot make the socket non-blocking: " + errno_text(errno));
+    }
+    epoll_event ev{};
+    ev.events = kReadEvents;
+    ev.data.u64 = c->token;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
+      lose(c, "cannot watch the socket: " + errno_text(errno));
+    }
   }
 
   // ---- listener ------------------------------------------------------------------------------
@@ -661,17 +712,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // Moves a handshaken socket from the listener's loop to the I/O loop.
   void adopt_incoming(PendingHandshake& h) {
     asio::error_code ec;
-    const auto protocol = h.sock.local_endpoint(ec).protocol();
-    if (ec) return fail_handshake(h, "getsockname failed: " + ec.message());
     const int fd = h.sock.release(ec);
     if (ec) return fail_handshake(h, "cannot take over the socket: " + ec.message());
-    auto c = std::make_shared<Connection>(io_);
-    c->socket.assign(protocol, fd, ec);
-    if (ec) {
-      ::close(fd);
-      log_drop(h.remote, "cannot register the socket: " + ec.message());
-      return;
-    }
+    auto c = std::make_shared<Connection>();
     c->fd = fd;
     c->outgoing = false;
     c->peer = static_cast<int>(h.hello.worker_id);
@@ -686,7 +729,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->name.empty()) p->name = c->peer_name;
     }
-    asio::post(io_, [this, c] { start_reading(c); });
+    start_reading(c);
   }
 
   // ---- connecting (calling thread) -----------------------------------------------------------
@@ -739,7 +782,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::lock_guard<std::mutex> lk(p->mu);
       p->out = c;
     }
-    asio::post(io_, [this, c] { start_reading(c); });
+    start_reading(c);
     return c;
   }
 
@@ -861,14 +904,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (!name.empty() && theirs.worker_name != name) {
       throw error("the peer there is named '" + theirs.worker_name + "'");
     }
-    sockaddr_storage local{};
-    socklen_t len = sizeof local;
-    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len);
-    const auto protocol = local.ss_family == AF_INET6 ? asio::ip::tcp::v6() : asio::ip::tcp::v4();
-    auto c = std::make_shared<Connection>(io_);
-    asio::error_code ec;
-    c->socket.assign(protocol, fd.get(), ec);
-    if (ec) throw error("cannot register the socket: " + ec.message());
+    auto c = std::make_shared<Connection>();
     c->fd = fd.release();
     c->outgoing = true;
     c->peer = id;
@@ -916,7 +952,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (err == 0) return;
     const std::string text =
         err == ECANCELED ? std::string("the transport was shut down mid-write") : errno_text(err);
-    // Part of a frame may be on the wire: the stream is unusable. The I/O thread sees the
+    // Part of a frame may be on the wire: the stream is unusable. A reading thread sees the
     // shutdown as the end of the stream, closes the connection and reports this reason.
     c.record_failure("write failed: " + text);
     c.shutdown_fd();
@@ -926,23 +962,112 @@ class Impl : public std::enable_shared_from_this<Impl> {
                            c.describe() + " failed: " + text);
   }
 
-  // ---- receiving (I/O thread) ----------------------------------------------------------------
+  // ---- receiving (reading threads) ----------------------------------------------------------
 
-  void start_reading(const std::shared_ptr<Connection>& c) {
-    if (c->closed.load() || stopping_.load()) return;
-    c->rbuf = std::make_unique<char[]>(kReadBufferBytes);
-    c->decoder.emplace(options_.limits);
-    read_more(c);
+  static constexpr std::uint32_t kReadEvents = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+
+  void read_loop() {
+    ::pthread_setname_np(::pthread_self(), "distrpc-tcp-rd");
+    for (;;) {
+      // One event per wait: a thread that goes on to run a handed-back task holds no other
+      // connection's readiness hostage.
+      epoll_event ev{};
+      const int n = ::epoll_wait(epfd_, &ev, 1, -1);
+      if (stopping_.load()) return;
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        std::fprintf(stderr, "distrpc tcp: %s: epoll_wait failed: %s\n", self_text().c_str(),
+                     errno_text(errno).c_str());
+        return;
+      }
+      if (n == 0 || ev.data.u64 == 0) continue;
+      if (auto c = by_token(ev.data.u64)) {
+        try {
+          on_readable(c);
+        } catch (const std::exception& e) {
+          // Handlers catch what they expect; anything else must not take the thread down.
+          std::fprintf(stderr, "distrpc tcp: %s: unexpected error while reading from %s: %s\n",
+                       self_text().c_str(), c->describe().c_str(), e.what());
+        }
+      }
+    }
   }
 
-  void read_more(const std::shared_ptr<Connection>& c) {
-    c->rbeg = c->rend = 0;
-    c->socket.async_read_some(asio::buffer(c->rbuf.get(), kReadBufferBytes),
-                              [this, c](const asio::error_code& ec, std::size_t n) {
-                                if (ec) return on_read_error(c, ec);
-                                c->rend = n;
-                                process(c);
-                              });
+  // This thread holds `c` (its one-shot registration fired): read what is there, deliver it,
+  // give the connection back to the epoll set, then run what on_message handed back.
+  void on_readable(const std::shared_ptr<Connection>& c) {
+    InlineScope inline_scope;
+    if (!drain(c, inline_scope)) return;  // lost: the scope queues a handed-back task
+    epoll_event ev{};
+    ev.events = kReadEvents;
+    ev.data.u64 = c->token;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_MOD, c->fd, &ev) < 0) {
+      if (!stopping_.load()) lose(c, "cannot watch the socket again: " + errno_text(errno));
+      return;
+    }
+    run_handed_back(inline_scope);
+  }
+
+  // Reads until the socket is empty; false when the connection is gone. A task handed back is
+  // run here only if the socket then turns out empty (a lone call: the latency case); when more
+  // bytes keep coming (a stream of calls: the throughput case) it is queued at once instead, so
+  // it never waits behind later frames and this thread keeps reading.
+  bool drain(const std::shared_ptr<Connection>& c, InlineScope& scope) {
+    for (;;) {
+      if (c->closed.load() || stopping_.load()) return false;
+      ssize_t r;
+      const bool direct = c->in_body && c->body_total - c->body_received >= kDirectReadBytes;
+      if (direct) {
+        r = read_body_direct(*c);
+      } else {
+        r = ::recv(c->fd, c->rbuf.get(), kReadBufferBytes, 0);
+      }
+      if (r == 0) {
+        end_of_stream(c);
+        return false;
+      }
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+        read_failed(c, errno_text(errno));
+        return false;
+      }
+      scope.release_to_fallback();
+      try {
+        if (direct) {
+          c->body_received += static_cast<std::size_t>(r);
+          if (c->body_received == c->body_total) {
+            c->seg = segment_count(*c);
+            deliver(c);
+          } else {
+            seek_segment(*c);  // the rest may come through rbuf: it must know where to go
+          }
+        } else {
+          c->rbeg = 0;
+          c->rend = static_cast<std::size_t>(r);
+          process(c);
+        }
+      } catch (const std::exception& e) {
+        drop(c, e.what());
+        return false;
+      }
+    }
+  }
+
+  // One readv straight into the message's remaining segments (no copy through rbuf).
+  ssize_t read_body_direct(Connection& c) {
+    std::array<iovec, 64> iov;
+    std::size_t n = 0, skip = c.body_received;
+    for (std::size_t i = 0; i < segment_count(c) && n < iov.size(); ++i) {
+      auto [ptr, len] = segment(c, i);
+      if (skip >= len) {
+        skip -= len;
+        continue;
+      }
+      iov[n++] = iovec{ptr + skip, len - skip};
+      skip = 0;
+    }
+    return ::readv(c.fd, iov.data(), static_cast<int>(n));
   }
 
   std::pair<char*, std::size_t> segment(Connection& c, std::size_t i) {
@@ -951,47 +1076,49 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return {static_cast<char*>(b.data_ptr()), static_cast<std::size_t>(b.numel())};
   }
   std::size_t segment_count(const Connection& c) const { return 1 + c.msg.buffers.size(); }
+  // Points seg/seg_off at body byte `body_received`.
+  void seek_segment(Connection& c) {
+    std::size_t left = c.body_received;
+    c.seg = 0;
+    c.seg_off = 0;
+    while (c.seg < segment_count(c) && left >= segment(c, c.seg).second) {
+      left -= segment(c, c.seg).second;
+      ++c.seg;
+    }
+    c.seg_off = left;
+  }
   void skip_empty_segments(Connection& c) {
     while (c.seg < segment_count(c) && segment(c, c.seg).second == 0) ++c.seg;
   }
 
-  // Decodes what the buffer holds, delivers complete frames, then reads more: into the buffer, or
-  // straight into the message when a large body remains.
+  // Decodes what rbuf holds (all of it: bytes once read are never left behind) and delivers the
+  // complete frames.
   void process(const std::shared_ptr<Connection>& c) {
-    try {
-      for (;;) {
-        if (!c->in_body) {
-          if (c->rbeg == c->rend) break;
-          const std::size_t used = c->decoder->feed(c->rbuf.get() + c->rbeg, c->rend - c->rbeg);
-          c->rbeg += used;
-          c->header_bytes += used;
-          if (!c->decoder->done()) break;
-          begin_body(*c);
-        }
-        while (c->seg < segment_count(*c) && c->rbeg < c->rend) {
-          auto [ptr, len] = segment(*c, c->seg);
-          const std::size_t take = std::min(len - c->seg_off, c->rend - c->rbeg);
-          std::memcpy(ptr + c->seg_off, c->rbuf.get() + c->rbeg, take);
-          c->rbeg += take;
-          c->seg_off += take;
-          c->body_received += take;
-          if (c->seg_off == len) {
-            ++c->seg;
-            c->seg_off = 0;
-            skip_empty_segments(*c);
-          }
-        }
-        if (c->seg < segment_count(*c)) break;
-        deliver(c);
-        if (c->closed.load() || stopping_.load()) return;
+    for (;;) {
+      if (!c->in_body) {
+        if (c->rbeg == c->rend) return;
+        const std::size_t used = c->decoder->feed(c->rbuf.get() + c->rbeg, c->rend - c->rbeg);
+        c->rbeg += used;
+        c->header_bytes += used;
+        if (!c->decoder->done()) return;
+        begin_body(*c);
       }
-    } catch (const std::exception& e) {
-      return drop(c, e.what());
-    }
-    if (c->in_body && c->body_total - c->body_received >= kDirectReadBytes) {
-      read_body_direct(c);
-    } else {
-      read_more(c);
+      while (c->seg < segment_count(*c) && c->rbeg < c->rend) {
+        auto [ptr, len] = segment(*c, c->seg);
+        const std::size_t take = std::min(len - c->seg_off, c->rend - c->rbeg);
+        std::memcpy(ptr + c->seg_off, c->rbuf.get() + c->rbeg, take);
+        c->rbeg += take;
+        c->seg_off += take;
+        c->body_received += take;
+        if (c->seg_off == len) {
+          ++c->seg;
+          c->seg_off = 0;
+          skip_empty_segments(*c);
+        }
+      }
+      if (c->seg < segment_count(*c)) return;
+      deliver(c);
+      if (c->closed.load() || stopping_.load()) return;
     }
   }
 
@@ -1015,32 +1142,6 @@ class Impl : public std::enable_shared_from_this<Impl> {
     skip_empty_segments(c);
   }
 
-  void read_body_direct(const std::shared_ptr<Connection>& c) {
-    c->direct.clear();
-    for (std::size_t i = c->seg; i < segment_count(*c); ++i) {
-      auto [ptr, len] = segment(*c, i);
-      const std::size_t off = i == c->seg ? c->seg_off : 0;
-      if (len > off) c->direct.push_back(asio::buffer(ptr + off, len - off));
-    }
-    const auto chunk = [](const asio::error_code& ec, std::size_t) -> std::size_t {
-      return ec ? 0 : kDirectReadChunk;
-    };
-    asio::async_read(c->socket, c->direct, chunk,
-                     [this, c](const asio::error_code& ec, std::size_t n) {
-                       c->body_received += n;
-                       c->direct.clear();
-                       if (ec) return on_read_error(c, ec);
-                       c->seg = segment_count(*c);
-                       try {
-                         deliver(c);
-                       } catch (const std::exception& e) {
-                         return drop(c, e.what());
-                       }
-                       if (c->closed.load() || stopping_.load()) return;
-                       read_more(c);
-                     });
-  }
-
   void deliver(const std::shared_ptr<Connection>& c) {
     wire::Message m = std::move(c->msg);
     c->msg = wire::Message{};
@@ -1060,24 +1161,45 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
-  void on_read_error(const std::shared_ptr<Connection>& c, const asio::error_code& ec) {
-    if (ec == asio::error::operation_aborted || c->closed.load() || stopping_.load()) return;
+  // Reading is re-armed: run the task on_message handed back, if another reading thread is free
+  // to keep doing I/O meanwhile; otherwise queue it where the receiver said.
+  void run_handed_back(InlineScope& scope) {
+    InlineTask t = scope.take();
+    if (!t.run) return;
+    if (inline_running_.fetch_add(1) + 1 < kReadThreads && !stopping_.load()) {
+      try {
+        t.run();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "distrpc tcp: %s: a handed-back task threw: %s\n", self_text().c_str(),
+                     e.what());
+      }
+      inline_running_.fetch_sub(1);
+      return;
+    }
+    inline_running_.fetch_sub(1);
+    if (t.fallback) t.fallback(std::move(t.run));
+  }
+
+  void end_of_stream(const std::shared_ptr<Connection>& c) {
+    if (c->closed.load() || stopping_.load()) return;
     // A local write failure shut the socket down: that is the real reason.
     if (std::string why = c->recorded_failure(); !why.empty()) return lose(c, why);
-    if (ec == asio::error::eof) {
-      if (c->in_body) {
-        return drop(c, "truncated frame: the stream ended after " +
-                           std::to_string(c->body_received) + " of the " +
-                           std::to_string(c->body_total) + " body bytes of a " +
-                           wire::to_string(c->msg.type) + " frame");
-      }
-      if (c->header_bytes > 0) {
-        return drop(c, "truncated frame: the stream ended after " +
-                           std::to_string(c->header_bytes) + " bytes of a frame header");
-      }
-      return lose(c, "connection closed by peer");
+    if (c->in_body) {
+      return drop(c, "truncated frame: the stream ended after " + std::to_string(c->body_received) +
+                         " of the " + std::to_string(c->body_total) + " body bytes of a " +
+                         wire::to_string(c->msg.type) + " frame");
     }
-    lose(c, ec.message());
+    if (c->header_bytes > 0) {
+      return drop(c, "truncated frame: the stream ended after " + std::to_string(c->header_bytes) +
+                         " bytes of a frame header");
+    }
+    lose(c, "connection closed by peer");
+  }
+
+  void read_failed(const std::shared_ptr<Connection>& c, const std::string& why) {
+    if (c->closed.load() || stopping_.load()) return;
+    if (std::string recorded = c->recorded_failure(); !recorded.empty()) return lose(c, recorded);
+    lose(c, why);
   }
 
   // A protocol violation: logged, then handled like any other loss.
@@ -1092,6 +1214,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     {
       std::lock_guard<std::mutex> lk(mu_);
       conns_.erase(c);
+      by_token_.erase(c->token);
     }
     bool report = false;
     if (auto p = find_peer(c->peer)) {
@@ -1130,9 +1253,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::string address_;
 
   // Declared before everything holding sockets or timers, so it is destroyed after them.
-  asio::io_context io_;   // the I/O thread: reads of established connections, callbacks
   asio::io_context lio_;  // the listener thread: accepts and incoming handshakes
-  asio::executor_work_guard<asio::io_context::executor_type> io_work_;
   asio::executor_work_guard<asio::io_context::executor_type> lio_work_;
   asio::ip::tcp::acceptor acceptor_;
   asio::steady_timer accept_retry_;
@@ -1145,7 +1266,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   std::thread listen_thread_;
-  std::thread io_thread_;
+  std::vector<std::thread> read_threads_;
+  int epfd_ = -1;                 // the reading threads' epoll set (one-shot registrations)
+  int wakefd_ = -1;               // written once at shutdown: wakes every reading thread to exit
+  std::uint64_t next_token_ = 0;  // under mu_
+  std::unordered_map<std::uint64_t, std::shared_ptr<Connection>> by_token_;  // under mu_
+  std::atomic<int> inline_running_{0};  // reading threads now running a handed-back task
 };
 
 }  // namespace tcp_detail
@@ -1153,7 +1279,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
 // Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it.
 class Tcp::Context {
  public:
-  // Listens on options.listen_host (port 0) and starts the listener and I/O threads.
+  // Listens on options.listen_host (port 0) and starts the listener and reading threads.
   // Throws DistNetworkError when it cannot listen.
   Context(const TransportOptions& options, TransportCallbacks callbacks)
       : impl_(std::make_shared<tcp_detail::Impl>(options, std::move(callbacks))) {

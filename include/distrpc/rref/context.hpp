@@ -1,0 +1,890 @@
+// RRefContext: one per agent, the bookkeeping of the RRef protocol (docs/rref.md).
+//
+// Owner side: the cells holding owned values (`owners_`), the forks each has handed out
+// (`forks_`, with the worker holding each fork), deletions that arrived before the fork they
+// delete (`early_deletes_`). User side: user RRefs waiting for their owner's confirmation
+// (`pending_users_`), forks this worker gave away and whose child has not accepted yet
+// (`pending_children_`, which keep the parent alive), and every live user RRef (`users_`, for the
+// purge at shutdown).
+//
+// Messages (agent control kinds 0..4, each a request answered by an empty Response or an
+// Exception): ForkRequest (child -> owner), ChildAccept (child -> parent), UserDelete (user ->
+// owner), Fetch (user -> owner, answered with the value), TypeQuery (user -> owner, answered with
+// the type's name). remote() itself is a Request with CallMode::remote.
+//
+// Threads: control messages are handled on the agent's callback pool (never on a transport I/O
+// thread, never on the request pool, so confirmations cannot starve behind blocked handlers).
+// Messages are always sent from the callback pool too: code running on an I/O thread (a reply
+// being decoded) only queues them. No lock of this class is held while a value is destroyed or a
+// future is completed.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "distrpc/future.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/rpc_error.hpp"
+#include "distrpc/rref/id.hpp"
+#include "distrpc/rref/scope.hpp"
+#include "distrpc/rref/value.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/worker_info.hpp"
+
+namespace distrpc {
+
+class RRefContext;
+
+// The agent's control message kinds used by the RRef protocol (wire::control_message_type(k)).
+enum class RRefControl : std::uint8_t {
+  ForkRequest = 0,
+  ChildAccept = 1,
+  UserDelete = 2,
+  Fetch = 3,
+  TypeQuery = 4,
+};
+inline constexpr std::uint8_t kRRefControlKinds = 5;
+
+inline wire::MessageType rref_message_type(RRefControl k) {
+  return wire::control_message_type(static_cast<std::uint8_t>(k));
+}
+
+inline const char* rref_control_name(RRefControl k) {
+  switch (k) {
+    case RRefControl::ForkRequest:
+      return "RRef fork request";
+    case RRefControl::ChildAccept:
+      return "RRef child accept";
+    case RRefControl::UserDelete:
+      return "RRef user delete";
+    case RRefControl::Fetch:
+      return "RRef fetch (to_here)";
+    case RRefControl::TypeQuery:
+      return "RRef type query";
+  }
+  return "RRef control";
+}
+
+// Process-wide switch: graceful shutdown reports leaked RRefs as an error unless this is set.
+inline std::atomic<bool>& ignore_rref_leak_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+inline void set_ignore_rref_leak(bool ignore) {
+  ignore_rref_leak_flag().store(ignore);
+}
+
+namespace detail {
+
+// What the context needs from the agent.
+class RRefHost {
+ public:
+  virtual const WorkerInfo& host_self() const = 0;
+  virtual WorkerInfo host_worker(int id) const = 0;
+  virtual std::chrono::milliseconds host_timeout(std::chrono::milliseconds requested) const = 0;
+  // A protocol request to `to`, counted in the graceful-shutdown join like a user call.
+  virtual Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::string& what) = 0;
+  // Queues library work on the callback pool; false once the agent stopped.
+  virtual bool host_post(std::function<void()> fn) = 0;
+  // A protocol step is under way locally (between two counted messages): the join waits.
+  virtual void host_protocol_begin() = 0;
+  virtual void host_protocol_end() = 0;
+  // Where user callbacks of futures handed to the user run.
+  virtual ExecutorFn host_user_executor() = 0;
+
+ protected:
+  virtual ~RRefHost() = default;
+};
+
+// What travels for an RRef inside a message.
+struct RRefForkData {
+  int owner = -1;
+  RRefId rref_id;
+  ForkId fork_id;
+  int parent = -1;
+  std::uint64_t type_hash = 0;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(owner, rref_id, fork_id, parent, type_hash);
+  }
+};
+
+// The owner's cell: the value (once created) of one RRef.
+struct OwnerCell {
+  explicit OwnerCell(RRefId i) : id(i) {}
+  const RRefId id;
+  Future<void> ready;  // completes when the value (or the error that replaced it) is set
+  // Written once, before `ready` completes; read only after it did.
+  std::shared_ptr<void> value;
+  const ValueOps* ops = nullptr;
+  std::atomic<bool> set_once{false};
+
+  void set_value(std::shared_ptr<void> v, const ValueOps* o) {
+    if (set_once.exchange(true)) return;
+    value = std::move(v);
+    ops = o;
+    ready.try_set_value();
+  }
+  void set_error(std::exception_ptr e) {
+    if (set_once.exchange(true)) return;
+    ready.try_set_exception(std::move(e));
+  }
+  // Waits for the value up to `timeout` (0: no limit); rethrows the creation error.
+  void wait(std::chrono::milliseconds timeout, const std::string& what) const {
+    if (timeout.count() > 0 ? !ready.wait_for(timeout)
+                            : !ready.wait_for(std::chrono::hours::max())) {
+      throw RpcTimeoutError("timed out after " + std::to_string(timeout.count()) +
+                            " ms waiting for the value of " + what + " to be created");
+    }
+    ready.wait();
+  }
+};
+
+// The state shared by every RRef<T> handle of one RRef (owner) or one fork (user) in a process.
+struct RRefImpl {
+  RRefId id;
+  ForkId fork_id;  // == id on the owner
+  WorkerInfo owner;
+  bool is_owner = false;
+  std::uint64_t type_hash = 0;
+  std::weak_ptr<RRefContext> ctx;
+  std::shared_ptr<OwnerCell> cell;  // owner only
+  Future<void> created;             // the creation future (get_future())
+  std::atomic<bool> confirmed{false};
+  std::atomic<bool> deleted{false};      // user: released (its delete was sent, or shutdown)
+  std::atomic<bool> skip_delete{false};  // user: the owner never recorded this fork, or is gone
+  mutable std::mutex mu;
+  std::exception_ptr creation_error;  // user: remote() failed to reach the owner in time
+  std::optional<Future<std::string>> type_future;
+
+  RRefImpl() = default;
+  RRefImpl(const RRefImpl&) = delete;
+  RRefImpl& operator=(const RRefImpl&) = delete;
+  inline ~RRefImpl();
+
+  std::string str() const {
+    if (is_owner) return "OwnerRRef(" + id.str() + ")";
+    return "UserRRef(RRefId = " + id.str() + ", ForkId = " + fork_id.str() + ")";
+  }
+  std::string deleted_text(const std::string& action) const {
+    return "User RRef with RRefId=" + id.str() + " and ForkId=" + fork_id.str() +
+           " has been deleted. " + action;
+  }
+};
+
+inline std::string exception_text(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace detail
+
+class RRefContext : public std::enable_shared_from_this<RRefContext> {
+ public:
+  using Impl = detail::RRefImpl;
+  using ImplPtr = std::shared_ptr<detail::RRefImpl>;
+  using CellPtr = std::shared_ptr<detail::OwnerCell>;
+
+  explicit RRefContext(detail::RRefHost& host) : host_(host) {}
+  RRefContext(const RRefContext&) = delete;
+  RRefContext& operator=(const RRefContext&) = delete;
+
+  const WorkerInfo& self() const { return host_.host_self(); }
+  detail::RRefHost& host() { return host_; }
+
+  // ---- creation ------------------------------------------------------------------------------
+
+  // RRef(value): an owner RRef that enters owners_ only when it is first shared.
+  ImplPtr make_local_owner(std::shared_ptr<void> value, const detail::ValueOps* ops) {
+    auto impl = std::make_shared<Impl>();
+    impl->id = detail::next_guid(self().id);
+    impl->fork_id = impl->id;
+    impl->owner = self();
+    impl->is_owner = true;
+    impl->type_hash = ops->type_hash;
+    impl->ctx = weak_from_this();
+    impl->cell = std::make_shared<detail::OwnerCell>(impl->id);
+    impl->cell->set_value(std::move(value), ops);
+    impl->confirmed = true;
+    impl->created = make_ready_future();
+    return impl;
+  }
+
+  // remote() to this very worker: the cell is registered now so the request finds it.
+  ImplPtr begin_remote_self(std::uint64_t type_hash) {
+    auto impl = std::make_shared<Impl>();
+    impl->id = detail::next_guid(self().id);
+    impl->fork_id = impl->id;
+    impl->owner = self();
+    impl->is_owner = true;
+    impl->type_hash = type_hash;
+    impl->ctx = weak_from_this();
+    impl->cell = std::make_shared<detail::OwnerCell>(impl->id);
+    impl->confirmed = true;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      owners_[impl->id] = impl->cell;
+    }
+    return impl;
+  }
+
+  // remote() to `owner`: a user RRef, pending until the owner acknowledges the creation.
+  ImplPtr begin_remote_user(const WorkerInfo& owner, std::uint64_t type_hash) {
+    auto impl = std::make_shared<Impl>();
+    impl->id = detail::next_guid(self().id);
+    impl->fork_id = detail::next_guid(self().id);
+    impl->owner = owner;
+    impl->type_hash = type_hash;
+    impl->ctx = weak_from_this();
+    std::lock_guard<std::mutex> lk(mu_);
+    pending_users_[impl->fork_id] = PendingUser{impl, Future<void>()};
+    users_[impl->fork_id] = impl;
+    return impl;
+  }
+
+  // The reply to the remote() request arrived (or the call failed): confirm, or record why not.
+  void finish_remote(const ImplPtr& impl, const Future<wire::Message>& reply) {
+    Future<void> created;
+    detail::set_callback_executor(created, host_.host_user_executor());
+    impl->created = created;
+    auto weak = weak_from_this();
+    reply.add_done_callback([weak, impl, created](const Future<wire::Message>& r) {
+      auto self = weak.lock();
+      std::exception_ptr error = r.has_error() ? r.exception_ptr() : nullptr;
+      if (impl->is_owner) {
+        if (error) impl->cell->set_error(error);
+        if (self) self->erase_if_unforked(impl->id);
+      } else {
+        if (error) {
+          std::lock_guard<std::mutex> lk(impl->mu);
+          impl->creation_error = error;
+          // A timed-out creation may still happen on the owner (who then records the fork);
+          // any other failure means the owner never recorded it.
+          try {
+            std::rethrow_exception(error);
+          } catch (const RpcTimeoutError&) {
+          } catch (...) {
+            impl->skip_delete = true;
+          }
+        } else {
+          impl->confirmed = true;
+        }
+        if (self) self->drop_pending_user(impl->fork_id);
+      }
+      if (error) {
+        created.try_set_exception(error);
+      } else {
+        created.try_set_value();
+      }
+    });
+  }
+
+  // ---- serialization ---------------------------------------------------------------------------
+
+  // An RRef is being written into a message for `scope.dst`.
+  detail::RRefForkData prepare_child_fork(const ImplPtr& impl, detail::RRefEncodeScope& scope) {
+    if (!impl->is_owner && impl->deleted.load()) {
+      throw RpcError(impl->deleted_text("Cannot call fork an UserRRef after deletion."));
+    }
+    if (impl->ctx.lock().get() != this) {
+      throw RpcError(impl->str() +
+                     " belongs to an RPC session that was shut down: it cannot be "
+                     "sent in the RPC session of " +
+                     self().str());
+    }
+    if (!impl->is_owner) {
+      std::lock_guard<std::mutex> lk(impl->mu);
+      if (impl->creation_error) {
+        throw RpcError("cannot share " + impl->str() + ": its RRef creation on " +
+                       impl->owner.str() +
+                       " failed: " + detail::exception_text(impl->creation_error));
+      }
+    }
+    detail::RRefForkData data{impl->owner.id, impl->id, detail::next_guid(self().id), self().id,
+                              impl->type_hash};
+    auto weak = weak_from_this();
+    const RRefId id = impl->id;
+    const ForkId fork = data.fork_id;
+    const int dst = scope.dst;
+    if (impl->is_owner) {
+      // Early fork registration: the fork exists from now on, so a delete by the child can never
+      // find the count at zero before the fork was added.
+      std::lock_guard<std::mutex> lk(mu_);
+      owners_[id] = impl->cell;
+      forks_[id][fork] = dst;
+      ++forks_total_;
+      scope.undo.push_back([weak, id, fork] {
+        if (auto s = weak.lock()) s->del_fork(id, fork, /*tombstone=*/false);
+      });
+    } else {
+      std::lock_guard<std::mutex> lk(mu_);
+      pending_children_[fork] = PendingChild{impl, dst};
+      scope.undo.push_back([weak, fork] {
+        if (auto s = weak.lock()) s->release_child(fork);
+      });
+    }
+    return data;
+  }
+
+  // An RRef was read from a message sent by `scope.parent`.
+  ImplPtr on_child_received(const detail::RRefForkData& d, detail::RRefDecodeScope& scope) {
+    const int me = self().id;
+    const int parent = scope.parent;
+    if (d.owner == me) {
+      // This worker owns it: hand out an owner RRef.
+      auto impl = std::make_shared<Impl>();
+      impl->id = d.rref_id;
+      impl->fork_id = d.rref_id;
+      impl->owner = self();
+      impl->is_owner = true;
+      impl->type_hash = d.type_hash;
+      impl->ctx = weak_from_this();
+      impl->confirmed = true;
+      impl->created = make_ready_future();
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        impl->cell = cell_locked(d.rref_id);
+      }
+      if (parent == me) {
+        // Sent to itself: drop the fork added when it was written.
+        del_fork(d.rref_id, d.fork_id, /*tombstone=*/false);
+      } else {
+        // From a user: that fork id never becomes a real user, the parent may let go of it.
+        send_child_accept(parent, d.fork_id);
+      }
+      return impl;
+    }
+    auto impl = std::make_shared<Impl>();
+    impl->id = d.rref_id;
+    impl->fork_id = d.fork_id;
+    impl->owner = host_.host_worker(d.owner);
+    impl->type_hash = d.type_hash;
+    impl->ctx = weak_from_this();
+    impl->created = make_ready_future();
+    if (parent == d.owner) {
+      // Forked by the owner, who registered the fork before sending it.
+      impl->confirmed = true;
+      std::lock_guard<std::mutex> lk(mu_);
+      users_[impl->fork_id] = impl;
+      return impl;
+    }
+    Future<void> confirmed;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      pending_users_[impl->fork_id] = PendingUser{impl, confirmed};
+      users_[impl->fork_id] = impl;
+    }
+    scope.confirmations.emplace_back(impl->str(), confirmed);
+    wire::Message m;
+    wire::encode(m, d.rref_id, d.fork_id);
+    auto weak = weak_from_this();
+    const ForkId fork = d.fork_id;
+    send(impl->owner.id, RRefControl::ForkRequest, std::move(m),
+         [weak, fork, parent](const Future<wire::Message>& r) {
+           if (auto s = weak.lock()) s->finish_fork_request(fork, parent, r);
+         });
+    return impl;
+  }
+
+  // ---- owner side ------------------------------------------------------------------------------
+
+  // A remote() request for an RRef this worker owns: register the fork, run, store the value.
+  Future<wire::Message> run_remote(int peer, const RequestHeader& h,
+                                   const detail::RemoteHandler& handler,
+                                   const wire::Message& request) {
+    if (!h.rref_id.valid() || !h.fork_id.valid() || h.rref_id.created_on != peer) {
+      throw RpcError("malformed remote() request from worker " + std::to_string(peer) +
+                     ": RRef id " + h.rref_id.str() + ", fork id " + h.fork_id.str());
+    }
+    CellPtr cell;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      cell = cell_locked(h.rref_id);
+      if (h.fork_id != h.rref_id) add_fork_locked(h.rref_id, h.fork_id, peer);
+    }
+    Future<detail::BoxedValue> boxed;
+    try {
+      if (!handler) throw RpcError("function '" + h.name + "' cannot be run by remote()");
+      boxed = handler(request);
+    } catch (...) {
+      boxed = make_exceptional_future<detail::BoxedValue>(std::current_exception());
+    }
+    // The value's failure belongs to the RRef (to_here() raises it); the creation succeeded.
+    return boxed.then([cell](const Future<detail::BoxedValue>& b) {
+      if (b.has_error()) {
+        cell->set_error(b.exception_ptr());
+      } else {
+        cell->set_value(b.value().value, b.value().ops);
+      }
+      return detail::empty_response();
+    });
+  }
+
+  // A control message (on the callback pool). The returned future holds the reply.
+  Future<wire::Message> handle_control(int peer, RRefControl kind, const wire::Message& m) {
+    switch (kind) {
+      case RRefControl::ForkRequest: {
+        RRefId id;
+        ForkId fork;
+        wire::decode(m, id, fork);
+        std::lock_guard<std::mutex> lk(mu_);
+        cell_locked(id);
+        add_fork_locked(id, fork, peer);
+        return make_ready_future(detail::empty_response());
+      }
+      case RRefControl::ChildAccept: {
+        ForkId fork;
+        wire::decode(m, fork);
+        release_child(fork);
+        return make_ready_future(detail::empty_response());
+      }
+      case RRefControl::UserDelete: {
+        RRefId id;
+        ForkId fork;
+        wire::decode(m, id, fork);
+        del_fork(id, fork, /*tombstone=*/true);
+        return make_ready_future(detail::empty_response());
+      }
+      case RRefControl::Fetch: {
+        RRefId id;
+        std::uint64_t type_hash = 0;
+        wire::decode(m, id, type_hash);
+        auto cell = find_or_make_cell(id);
+        auto ctx = shared_from_this();
+        return cell->ready.then([cell, ctx, peer, type_hash](const Future<void>& done) {
+          done.wait();
+          check_type(*cell, type_hash);
+          wire::Message out;
+          out.type = wire::MessageType::Response;
+          detail::RRefEncodeScope scope{ctx, peer, {}};
+          detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
+          cell->ops->encode(out, cell->value.get());
+          return out;
+        });
+      }
+      case RRefControl::TypeQuery: {
+        RRefId id;
+        wire::decode(m, id);
+        auto cell = find_or_make_cell(id);
+        return cell->ready.then([cell](const Future<void>& done) {
+          done.wait();
+          return detail::response_with(cell->ops->type_name);
+        });
+      }
+    }
+    throw RpcError("unknown RRef control message kind " + std::to_string(static_cast<int>(kind)) +
+                   " from worker " + std::to_string(peer));
+  }
+
+  static void check_type(const detail::OwnerCell& cell, std::uint64_t expected) {
+    if (expected != 0 && cell.ops->type_hash != expected) {
+      throw RpcError("type mismatch for RRef " + cell.id.str() + ": the owner holds a '" +
+                     cell.ops->type_name + "'");
+    }
+  }
+
+  // ---- user operations -------------------------------------------------------------------------
+
+  Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
+    wire::Message m;
+    wire::encode(m, impl->id, impl->type_hash);
+    return host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch),
+                                   std::move(m), host_.host_timeout(timeout),
+                                   "to_here() of " + impl->str());
+  }
+
+  Future<std::string> type_query(const ImplPtr& impl, std::chrono::milliseconds timeout) {
+    wire::Message m;
+    wire::encode(m, impl->id);
+    auto reply = host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::TypeQuery),
+                                         std::move(m), host_.host_timeout(timeout),
+                                         "type query of " + impl->str());
+    Future<std::string> out = reply.then([](const Future<wire::Message>& r) {
+      std::string name;
+      wire::decode(r.value(), name);
+      return name;
+    });
+    detail::set_callback_executor(out, host_.host_user_executor());
+    return out;
+  }
+
+  // A user RRef's last handle is gone: tell the owner (once).
+  void release_user(Impl& impl) {
+    if (impl.deleted.exchange(true)) return;
+    bool closed = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      users_.erase(impl.fork_id);
+      closed = closed_;
+    }
+    if (closed || impl.skip_delete.load()) return;
+    send_user_delete(impl.owner.id, impl.id, impl.fork_id);
+  }
+
+  // ---- lifecycle -------------------------------------------------------------------------------
+
+  void on_peer_lost(int peer) {
+    std::vector<CellPtr> drop_cells;
+    std::vector<ImplPtr> drop_children;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = forks_.begin(); it != forks_.end();) {
+        auto& forks = it->second;
+        for (auto f = forks.begin(); f != forks.end();) {
+          if (f->second == peer) {
+            f = forks.erase(f);
+            --forks_total_;
+          } else {
+            ++f;
+          }
+        }
+        if (forks.empty()) {
+          auto o = owners_.find(it->first);
+          if (o != owners_.end()) {
+            drop_cells.push_back(std::move(o->second));
+            owners_.erase(o);
+          }
+          it = forks_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto it = pending_children_.begin(); it != pending_children_.end();) {
+        if (it->second.child == peer) {
+          drop_children.push_back(std::move(it->second.impl));
+          it = pending_children_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& [fork, weak] : users_) {
+        if (auto u = weak.lock(); u && u->owner.id == peer) u->skip_delete = true;
+      }
+    }
+    // Values and parents are released here, outside the lock.
+  }
+
+  // Graceful shutdown: wait for confirmations, release every user RRef (even those kept alive by
+  // reference cycles) and the owner cells nobody forked, and wait for the owners' answers.
+  void purge(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    wait_until([&] { return pending_users_.empty(); }, deadline, "pending user RRefs");
+    std::vector<ImplPtr> users;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& [fork, weak] : users_) {
+        if (auto u = weak.lock()) users.push_back(std::move(u));
+      }
+    }
+    for (auto& u : users) release_user(*u);
+    users.clear();
+    wait_until([&] { return pending_futures_ == 0; }, deadline, "RRef protocol messages");
+    std::vector<CellPtr> unforked;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = owners_.begin(); it != owners_.end();) {
+        auto f = forks_.find(it->first);
+        if (f == forks_.end() || f->second.empty()) {
+          unforked.push_back(std::move(it->second));
+          it = owners_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+
+  // "Leaking RRef ..." lines for every fork still recorded here and every protocol step that
+  // never finished; empty when nothing leaked.
+  std::string leak_report() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string out;
+    for (const auto& [id, forks] : forks_) {
+      for (const auto& [fork, holder] : forks) {
+        out += "Leaking RRef " + id.str() + " with fork Id " + fork.str() + " (held by worker " +
+               std::to_string(holder) + ")\n";
+      }
+    }
+    for (const auto& [fork, p] : pending_users_) {
+      out += "Leaking RRef " + p.impl->id.str() + " with fork Id " + fork.str() +
+             " (a user RRef its owner never confirmed)\n";
+    }
+    for (const auto& [fork, p] : pending_children_) {
+      out += "Leaking RRef " + p.impl->id.str() + " with fork Id " + fork.str() +
+             " (forked to worker " + std::to_string(p.child) + ", which never accepted it)\n";
+    }
+    return out;
+  }
+
+  // The agent stopped: no message is sent any more, and every user RRef is dead.
+  void close() {
+    std::vector<ImplPtr> users;
+    std::map<ForkId, PendingUser> pending;
+    std::map<ForkId, PendingChild> children;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      closed_ = true;
+      for (auto& [fork, weak] : users_) {
+        if (auto u = weak.lock()) users.push_back(std::move(u));
+      }
+      users_.clear();
+      pending.swap(pending_users_);
+      children.swap(pending_children_);
+    }
+    for (auto& u : users) u->deleted = true;
+    for (auto& [fork, p] : pending) {
+      p.impl->deleted = true;
+      p.confirmed.try_set_exception(
+          std::make_exception_ptr(RpcError("the RPC agent of " + self().str() + " shut down")));
+    }
+  }
+
+  std::map<std::string, std::string> debug_info() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return {{"num_owner_rrefs", std::to_string(owners_.size())},
+            {"num_pending_users", std::to_string(pending_users_.size())},
+            {"num_pending_futures", std::to_string(pending_futures_.load())},
+            {"num_forks", std::to_string(forks_total_)},
+            {"num_pending_children", std::to_string(pending_children_.size())}};
+  }
+
+  // Forks recorded on this owner for `id` (tests and docs traces).
+  std::size_t forks_of(const RRefId& id) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = forks_.find(id);
+    return it == forks_.end() ? 0 : it->second.size();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct PendingUser {
+    ImplPtr impl;
+    Future<void> confirmed;
+  };
+  struct PendingChild {
+    ImplPtr impl;
+    int child = -1;
+  };
+
+  CellPtr cell_locked(const RRefId& id) {
+    auto& c = owners_[id];
+    if (!c) c = std::make_shared<detail::OwnerCell>(id);
+    return c;
+  }
+
+  CellPtr find_or_make_cell(const RRefId& id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return cell_locked(id);
+  }
+
+  void add_fork_locked(const RRefId& id, const ForkId& fork, int holder) {
+    auto t = early_deletes_.find(id);
+    if (t != early_deletes_.end() && t->second.erase(fork) > 0) {
+      // Its delete overtook it: the fork is already gone.
+      if (t->second.empty()) early_deletes_.erase(t);
+      erase_unforked_locked(id);
+      return;
+    }
+    if (forks_[id].emplace(fork, holder).second) ++forks_total_;
+  }
+
+  CellPtr erase_unforked_locked(const RRefId& id) {
+    auto f = forks_.find(id);
+    if (f != forks_.end() && !f->second.empty()) return nullptr;
+    if (f != forks_.end()) forks_.erase(f);
+    auto o = owners_.find(id);
+    if (o == owners_.end()) return nullptr;
+    CellPtr c = std::move(o->second);
+    owners_.erase(o);
+    return c;
+  }
+
+  void erase_if_unforked(const RRefId& id) {
+    CellPtr drop;
+    std::lock_guard<std::mutex> lk(mu_);
+    drop = erase_unforked_locked(id);
+    // `drop` may hold the last reference to a value; the owner handle that called this holds
+    // the cell too, so no value is destroyed under the lock here.
+  }
+
+  // Removes a fork; the owner lets go of the value once no fork is left. A delete that arrives
+  // before its fork (remote() still queued here) leaves a tombstone the fork will meet.
+  void del_fork(const RRefId& id, const ForkId& fork, bool tombstone) {
+    CellPtr drop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto f = forks_.find(id);
+      if (f == forks_.end() || f->second.erase(fork) == 0) {
+        if (tombstone) early_deletes_[id].insert(fork);
+        return;
+      }
+      --forks_total_;
+      drop = erase_unforked_locked(id);
+    }
+    drop.reset();  // the value may be destroyed here, outside the lock
+  }
+
+  void release_child(const ForkId& fork) {
+    ImplPtr drop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = pending_children_.find(fork);
+      if (it == pending_children_.end()) return;
+      drop = std::move(it->second.impl);
+      pending_children_.erase(it);
+    }
+    drop.reset();  // may send this parent's own delete (from the callback pool)
+  }
+
+  void drop_pending_user(const ForkId& fork) {
+    ImplPtr drop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = pending_users_.find(fork);
+      if (it == pending_users_.end()) return;
+      drop = std::move(it->second.impl);
+      pending_users_.erase(it);
+    }
+    cv_.notify_all();
+  }
+
+  void finish_fork_request(const ForkId& fork, int parent, const Future<wire::Message>& r) {
+    std::optional<PendingUser> p;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = pending_users_.find(fork);
+      if (it != pending_users_.end()) {
+        p = std::move(it->second);
+        pending_users_.erase(it);
+      }
+    }
+    if (p) {
+      if (r.has_error()) {
+        try {
+          std::rethrow_exception(r.exception_ptr());
+        } catch (const RpcTimeoutError&) {
+        } catch (...) {
+          p->impl->skip_delete = true;
+        }
+        p->confirmed.try_set_exception(r.exception_ptr());
+      } else {
+        p->impl->confirmed = true;
+        p->confirmed.try_set_value();
+      }
+    }
+    // The parent may let go of its own reference now that the owner knows the child.
+    send_child_accept(parent, fork);
+    cv_.notify_all();
+    // p (and the user RRef it may hold last) is released here: its delete is queued, not sent.
+  }
+
+  void send_child_accept(int parent, const ForkId& fork) {
+    wire::Message m;
+    wire::encode(m, fork);
+    send(parent, RRefControl::ChildAccept, std::move(m), [](const Future<wire::Message>&) {});
+  }
+
+  void send_user_delete(int owner, const RRefId& id, const ForkId& fork) {
+    wire::Message m;
+    wire::encode(m, id, fork);
+    send(owner, RRefControl::UserDelete, std::move(m), [](const Future<wire::Message>&) {});
+  }
+
+  // Sends a protocol request from the callback pool (the caller may be a transport I/O thread).
+  // From the moment it is queued until it is answered, it counts as outstanding work.
+  void send(int to, RRefControl kind, wire::Message&& m,
+            std::function<void(const Future<wire::Message>&)> on_done) {
+    bool closed = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      closed = closed_;
+    }
+    if (closed) {
+      on_done(make_exceptional_future<wire::Message>(std::make_exception_ptr(
+          RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
+                   " not sent: the RPC agent of " + self().str() + " shut down"))));
+      return;
+    }
+    ++pending_futures_;
+    host_.host_protocol_begin();
+    auto me = shared_from_this();
+    auto msg = std::make_shared<wire::Message>(std::move(m));
+    auto finish = [me, on_done](const Future<wire::Message>& r) {
+      if (r.has_error()) {
+        std::fprintf(stderr, "distrpc: %s: %s\n", me->self().name.c_str(),
+                     detail::exception_text(r.exception_ptr()).c_str());
+      }
+      on_done(r);
+      if (--me->pending_futures_ == 0) me->cv_.notify_all();
+    };
+    const bool posted = host_.host_post([me, to, kind, msg, finish] {
+      auto fut = me->host_.host_control_call(to, rref_message_type(kind), std::move(*msg),
+                                             me->host_.host_timeout(kUnsetRpcTimeout),
+                                             std::string(rref_control_name(kind)));
+      me->host_.host_protocol_end();
+      fut.add_done_callback(finish);
+    });
+    if (!posted) {
+      host_.host_protocol_end();
+      finish(make_exceptional_future<wire::Message>(std::make_exception_ptr(
+          RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
+                   " dropped: the RPC agent of " + self().str() + " is shutting down"))));
+    }
+  }
+
+  template <class Pred>
+  void wait_until(Pred pred, Clock::time_point deadline, const char* what) {
+    std::unique_lock<std::mutex> lk(mu_);
+    while (!pred()) {
+      if (cv_.wait_until(lk, std::min(deadline, Clock::now() + std::chrono::milliseconds(10))) ==
+              std::cv_status::timeout &&
+          Clock::now() >= deadline && !pred()) {
+        throw RpcError("graceful shutdown of " + self().str() + ": timed out waiting for " + what +
+                       " to finish");
+      }
+    }
+  }
+
+  detail::RRefHost& host_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<RRefId, CellPtr> owners_;
+  std::map<RRefId, std::map<ForkId, int>> forks_;  // fork -> the worker holding it
+  std::size_t forks_total_ = 0;
+  std::map<RRefId, std::set<ForkId>> early_deletes_;
+  std::map<ForkId, PendingUser> pending_users_;
+  std::map<ForkId, PendingChild> pending_children_;
+  std::map<ForkId, std::weak_ptr<Impl>> users_;
+  std::atomic<std::int64_t> pending_futures_{0};
+  bool closed_ = false;
+};
+
+detail::RRefImpl::~RRefImpl() {
+  if (is_owner) return;
+  if (auto c = ctx.lock()) c->release_user(*this);
+}
+
+}  // namespace distrpc

@@ -1,0 +1,62 @@
+// The type-erased value an owner holds for an RRef: a shared pointer to the object and a table of
+// what the owner can do with it without knowing its type (name it, check it, serialize it for a
+// fetch). Objects that cannot be serialized may live behind an RRef as long as nobody fetches them:
+// their table says so at run time instead of failing to compile.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include <cereal/details/traits.hpp>
+
+#include "distrpc/function_id.hpp"
+#include "distrpc/wire.hpp"
+
+namespace distrpc::detail {
+
+struct ValueOps {
+  std::string type_name;    // the compiler's spelling of T
+  std::uint64_t type_hash;  // fnv1a(type_name): what RRef<T> on another worker compares
+  bool serializable;
+  void (*encode)(wire::Message& out, const void* value);
+};
+
+template <class T>
+inline constexpr bool wire_serializable_v =
+    cereal::traits::is_output_serializable<T, wire::OutputArchive>::value&&
+        cereal::traits::is_input_serializable<T, wire::InputArchive>::value;
+
+template <class T>
+std::uint64_t type_hash_of() {
+  return fnv1a(type_name<T>());
+}
+
+template <class T>
+const ValueOps* value_ops() {
+  static const ValueOps ops{
+      std::string(type_name<T>()), type_hash_of<T>(), wire_serializable_v<T>,
+      [](wire::Message& out, const void* value) {
+        if constexpr (wire_serializable_v<T>) {
+          wire::encode(out, *static_cast<const T*>(value));
+        } else {
+          (void)out;
+          (void)value;
+          throw std::invalid_argument("the value of type '" + std::string(type_name<T>()) +
+                                      "' held by this RRef cannot be serialized (it has no cereal "
+                                      "serialize/save function): call its methods through the "
+                                      "RRef's proxies instead of fetching it");
+        }
+      }};
+  return &ops;
+}
+
+// A value produced on the owner by remote(): what the owner's cell will hold.
+struct BoxedValue {
+  std::shared_ptr<void> value;
+  const ValueOps* ops = nullptr;
+};
+
+}  // namespace distrpc::detail
