@@ -572,9 +572,10 @@ TEST_CASE("wire: handshake carries name, id, version and an optional token") {
 
   wire::Hello future = hello;
   future.protocol_version = 7;
-  CHECK_ERROR(wire::ProtocolError, wire::decode_hello(wire::encode_hello(future)),
-              "peer speaks distrpc protocol version 7 but this build speaks version " +
-                  std::to_string(wire::kProtocolVersion));
+  const std::string newer =
+      "peer speaks distrpc protocol version 7 but this build speaks version " +
+      std::to_string(wire::kProtocolVersion);
+  CHECK_ERROR(wire::ProtocolError, wire::decode_hello(wire::encode_hello(future)), newer.c_str());
   wire::Message not_hello = m;
   not_hello.type = wire::MessageType::Request;
   CHECK_ERROR(wire::ProtocolError, wire::decode_hello(not_hello),
