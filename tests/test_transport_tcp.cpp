@@ -29,6 +29,7 @@
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/handshake.hpp"
 #include "multiprocess.hpp"
+#include "support/transport_test_util.hpp"
 
 namespace {
 
@@ -41,110 +42,15 @@ using distrpc::wire::MessageType;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
-// What a Context reported, for the test thread to wait on.
-struct Inbox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::pair<int, Message>> messages;
-  std::vector<std::pair<int, std::string>> lost;
-  std::vector<Clock::time_point> lost_at;
-
-  TransportCallbacks callbacks() {
-    TransportCallbacks cb;
-    cb.on_message = [this](int peer, Message&& m) {
-      std::lock_guard<std::mutex> lk(mu);
-      messages.emplace_back(peer, std::move(m));
-      cv.notify_all();
-    };
-    cb.on_peer_lost = [this](int peer, const std::string& reason) {
-      std::lock_guard<std::mutex> lk(mu);
-      lost.emplace_back(peer, reason);
-      lost_at.push_back(Clock::now());
-      cv.notify_all();
-    };
-    return cb;
-  }
-
-  bool wait_messages(std::size_t n, std::chrono::milliseconds timeout = 10s) {
-    std::unique_lock<std::mutex> lk(mu);
-    return cv.wait_for(lk, timeout, [&] { return messages.size() >= n; });
-  }
-  bool wait_lost(std::size_t n, std::chrono::milliseconds timeout = 10s) {
-    std::unique_lock<std::mutex> lk(mu);
-    return cv.wait_for(lk, timeout, [&] { return lost.size() >= n; });
-  }
-  std::size_t message_count() {
-    std::lock_guard<std::mutex> lk(mu);
-    return messages.size();
-  }
-  std::size_t lost_count() {
-    std::lock_guard<std::mutex> lk(mu);
-    return lost.size();
-  }
-};
-
-TransportOptions options_for(int id, const std::string& token = "",
-                             std::chrono::milliseconds connect_timeout = 5s) {
-  TransportOptions o;
-  o.self_id = id;
-  o.self_name = "w" + std::to_string(id);
-  o.auth_token = token;
-  o.connect_timeout = connect_timeout;
-  return o;
-}
-
-// A Context with its inbox. The inbox is declared first so it outlives the Context's callbacks.
-struct Node {
-  explicit Node(const TransportOptions& o)
-      : ctx(std::make_unique<Tcp::Context>(o, inbox.callbacks())) {}
-  explicit Node(int id) : Node(options_for(id)) {}
-  Inbox inbox;
-  std::unique_ptr<Tcp::Context> ctx;
-};
-
-void introduce(Node& a, int a_id, Node& b, int b_id) {
-  a.ctx->add_peer(b_id, "w" + std::to_string(b_id), b.ctx->address());
-  b.ctx->add_peer(a_id, "w" + std::to_string(a_id), a.ctx->address());
-}
-
-// A kByte view over any CPU contiguous tensor's bytes (what the wire layer sends).
-at::Tensor bytes_of(const at::Tensor& t) {
-  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::kByte);
-}
-
-Message make_message(MessageType type, std::uint64_t id, std::string payload,
-                     std::vector<at::Tensor> buffers = {}) {
-  Message m;
-  m.type = type;
-  m.id = id;
-  m.payload = std::move(payload);
-  m.buffers = std::move(buffers);
-  return m;
-}
-
-// Pseudo-random bytes, different per seed, so a misplaced byte shows.
-at::Tensor pattern_bytes(std::int64_t n, std::uint32_t seed) {
-  at::Tensor t = at::empty({n}, at::kByte);
-  auto* p = t.data_ptr<std::uint8_t>();
-  std::uint32_t x = seed * 2654435761u + 1;
-  for (std::int64_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    p[i] = static_cast<std::uint8_t>(x);
-  }
-  return t;
-}
-
-bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() != b.numel()) return false;
-  return a.numel() == 0 ||
-         std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel())) == 0;
-}
+using distrpc::testing::bytes_of;
+using distrpc::testing::contains;
+using distrpc::testing::Inbox;
+using distrpc::testing::introduce;
+using distrpc::testing::make_message;
+using distrpc::testing::options_for;
+using distrpc::testing::pattern_bytes;
+using distrpc::testing::same_bytes;
+using Node = distrpc::testing::NodeOf<Tcp>;
 
 // ---- raw sockets, to play a broken or hostile peer ----------------------------------------------
 
