@@ -1,5 +1,5 @@
 // The RPC core suite, from docs spec rpc.md (groups A-H, M, N, O, Q) and its acceptance scenarios
-// 1, 2, 10-14, 16, 17, 19-23, 25 (RRef / remote() parts left out: RRefs are not implemented yet).
+// 1, 2, 10-14, 16, 17, 19-23, 25. Their RRef / remote() parts are in test_rref.cpp.
 //
 // Every multi-process case runs its body in 4 fresh processes named worker{rank}, meeting through
 // a file:// rendezvous, and ends with a graceful shutdown (a shutdown that hangs fails the case
