@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "distrpc/error.hpp"
+#include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -99,7 +100,7 @@ inline constexpr int kMadvPopulateWrite = 23;
 // A handshake frame is a Hello: name and token are bounded by the wire layer, so this is ample.
 inline constexpr std::uint64_t kMaxHelloFrameBytes = 8 * 1024;
 // Blocking waits on the calling thread wake this often to notice shutdown().
-inline constexpr int kPollSliceMs = 50;
+inline constexpr int kPollSliceMs = detail::kPollSliceMs;
 // Keepalive notices a peer whose host vanished (no reset ever comes): about 45 s.
 inline constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 3;
 
@@ -190,26 +191,7 @@ inline void log_drop(const std::string& remote, const std::string& reason) {
                reason.c_str());
 }
 
-// Waits until `fd` is ready for `events`. 0 when ready (or hung up: the next call says how),
-// ETIMEDOUT past `deadline`, ECANCELED once `stopping` is set, else errno.
-inline int wait_fd(int fd, short events, std::optional<Clock::time_point> deadline,
-                   const std::atomic<bool>& stopping) {
-  for (;;) {
-    if (stopping.load(std::memory_order_relaxed)) return ECANCELED;
-    int slice = kPollSliceMs;
-    if (deadline) {
-      const auto now = Clock::now();
-      if (now >= *deadline) return ETIMEDOUT;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - now).count() + 1;
-      slice = static_cast<int>(std::min<long long>(slice, left));
-    }
-    pollfd p{fd, events, 0};
-    const int r = ::poll(&p, 1, slice);
-    if (r > 0) return 0;
-    if (r < 0 && errno != EINTR) return errno;
-  }
-}
+using detail::wait_fd;  // distrpc/transport/detail/wait_fd.hpp
 
 // Writes every byte of `iov` (consumed in place). The fd may be non-blocking (the reader makes it
 // so for its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "distrpc/error.hpp"
+#include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/wire/errors.hpp"
 
 namespace distrpc::transport::shm_detail {
@@ -38,7 +39,7 @@ namespace distrpc::transport::shm_detail {
 using Clock = std::chrono::steady_clock;
 
 // Blocking waits on a calling thread wake this often to notice shutdown().
-inline constexpr int kPollSliceMs = 50;
+inline constexpr int kPollSliceMs = detail::kPollSliceMs;
 // MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name, older kernels return EINVAL.
 inline constexpr int kMadvPopulateWrite = 23;
 // Seals every shared region carries: its size is fixed for good, so a peer cannot shrink it under
@@ -218,26 +219,7 @@ inline std::string address_problem(const std::string& address) {
   return {};
 }
 
-// Waits until `fd` is ready for `events`: 0 when ready (or hung up: the next call says how),
-// ETIMEDOUT past `deadline`, ECANCELED once `stopping` is set, else errno.
-inline int wait_fd(int fd, short events, std::optional<Clock::time_point> deadline,
-                   const std::atomic<bool>& stopping) {
-  for (;;) {
-    if (stopping.load(std::memory_order_relaxed)) return ECANCELED;
-    int slice = kPollSliceMs;
-    if (deadline) {
-      const auto now = Clock::now();
-      if (now >= *deadline) return ETIMEDOUT;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - now).count() + 1;
-      slice = static_cast<int>(std::min<long long>(slice, left));
-    }
-    pollfd p{fd, events, 0};
-    const int r = ::poll(&p, 1, slice);
-    if (r > 0) return 0;
-    if (r < 0 && errno != EINTR) return errno;
-  }
-}
+using detail::wait_fd;  // distrpc/transport/detail/wait_fd.hpp
 
 // Bytes of one control packet at most: a Hello frame (8 KiB bound) and the fixed records.
 inline constexpr std::size_t kMaxPacketBytes = 16 * 1024;
