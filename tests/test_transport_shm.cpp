@@ -606,6 +606,11 @@ TEST_CASE("shm: shutdown with traffic in flight does not hang, and no callback f
   CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 9, "after")), DistNetworkError);
 }
 
+// Leader/follower (transport.hpp InlineScope): two I/O threads take turns reading the rings.
+TEST_CASE("shm: a handed-back task runs on the reading thread without blocking reading") {
+  distrpc::testing::handed_back_task_scenario<Shm>();
+}
+
 TEST_CASE("shm: an idle connected pair uses almost no CPU") {
   Node a(0), b(1);
   introduce(a, 0, b, 1);

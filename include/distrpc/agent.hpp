@@ -231,8 +231,16 @@ class RpcAgent : public detail::RRefHost {
   // shutdown began it is dropped: the caller learns through peer loss or its timeout.
   void dispatch_request(int peer, wire::Message&& m) {
     if (wire::is_control_message_type(m.type)) {
-      callback_pool_.post(
-          [this, peer, msg = std::move(m)]() mutable { handle_control(peer, std::move(msg)); });
+      // Library code that never blocks on the network: like a request, it may run on the reading
+      // thread (a to_here() then costs one round trip, not two hand-offs more).
+      std::function<void()> control = [this, peer, msg = std::move(m)]() mutable {
+        handle_control(peer, std::move(msg));
+      };
+      if (!transport::offer_inline(control, [this](std::function<void()> t) {
+            return callback_pool_.post(std::move(t));
+          })) {
+        callback_pool_.post(std::move(control));
+      }
       return;
     }
     std::function<void()> task = [this, peer, msg = std::move(m)]() mutable {
@@ -391,6 +399,7 @@ class RpcAgent : public detail::RRefHost {
     std::lock_guard<std::mutex> lk(calls_mu_);
     --counters_.protocol_pending;
   }
+  std::chrono::microseconds host_sync_wait_spin() const override { return options_.sync_wait_spin; }
   detail::ExecutorFn host_user_executor() override {
     return [this](std::function<void()> fn) {
       if (!callback_pool_.post(std::move(fn))) {

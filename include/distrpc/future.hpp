@@ -64,6 +64,7 @@
 #include <new>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -929,5 +930,19 @@ inline bool detail::register_in_scope(const FutureBase& f) {
   scope->futures_.push_back(f);
   return true;
 }
+
+namespace detail {
+// Polls `f` for up to `budget`, yielding the CPU each round, before the caller blocks on it: the
+// blocking RPC entry points use it (RpcBackendOptions::sync_wait_spin), because a small call's
+// reply arrives within microseconds and waking a sleeping thread costs more than that.
+template <class F>
+void poll_before_wait(const F& f, std::chrono::microseconds budget) {
+  if (budget.count() <= 0 || f.done()) return;
+  const auto until = std::chrono::steady_clock::now() + budget;
+  do {
+    std::this_thread::yield();
+  } while (!f.done() && std::chrono::steady_clock::now() < until);
+}
+}  // namespace detail
 
 }  // namespace distrpc

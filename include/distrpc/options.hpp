@@ -30,6 +30,10 @@ struct RpcBackendOptions {
   std::string auth_token;
   // Largest message (payload plus tensors) sent or accepted, in bytes.
   std::uint64_t max_message_bytes = 16ull << 30;
+  // How long a blocking call (rpc_sync, to_here) polls for its reply, yielding the CPU, before it
+  // sleeps. A small call's reply comes back within microseconds, and a sleeping thread's wake-up is
+  // then the largest single cost; 0 always sleeps at once (docs/threading.md).
+  std::chrono::microseconds sync_wait_spin{50};
   // device_maps[worker][src] = dst, for CUDA tensors (see docs/rpc.md).
   std::map<std::string, std::map<std::string, std::string>> device_maps;
 };

@@ -205,6 +205,10 @@ void init_rpc(const std::string& name, int rank, int world_size,
     throw std::invalid_argument("rpc_timeout must be >= 0 ms (0 means no limit), got " +
                                 std::to_string(options.rpc_timeout.count()) + " ms");
   }
+  if (options.sync_wait_spin.count() < 0) {
+    throw std::invalid_argument("sync_wait_spin must be >= 0 us (0: never poll), got " +
+                                std::to_string(options.sync_wait_spin.count()) + " us");
+  }
   auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
   auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size, options);
   agent->set_store(rdzv.store);
@@ -241,6 +245,7 @@ Future<detail::call_result_t<F>> rpc_async(const Destination& to, A&&... args) {
 template <auto F, class... A>
 detail::call_result_t<F> rpc_sync(const Destination& to, CallOptions opts, A&&... args) {
   auto f = rpc_async<F>(to, opts, std::forward<A>(args)...);
+  detail::poll_before_wait(f, detail::current_agent()->options().sync_wait_spin);
   if constexpr (std::is_void_v<detail::call_result_t<F>>) {
     f.value();
   } else {

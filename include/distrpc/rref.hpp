@@ -125,6 +125,7 @@ class RRef {
     auto ctx = i.ctx.lock();
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
     auto reply = ctx->fetch(impl_, timeout);
+    detail::poll_before_wait(reply, ctx->sync_wait_spin());
     const wire::Message& m = reply.value();
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};

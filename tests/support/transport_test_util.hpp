@@ -5,15 +5,22 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <doctest/doctest.h>
 
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/message.hpp"
@@ -132,6 +139,126 @@ inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() != b.numel()) return false;
   return a.numel() == 0 ||
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel())) == 0;
+}
+
+// Leader/follower (transport.hpp InlineScope), for any policy that opens the scope: a task handed
+// back from on_message runs on the thread that read its message, after reading was re-armed, so a
+// blocked task never stops the connection; at most one runs at a time; the rest go to the fallback,
+// each exactly once.
+template <class P>
+void handed_back_task_scenario() {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::uint64_t> order;                     // ids as on_message saw them
+  std::map<std::uint64_t, std::thread::id> read_on;     // id -> thread that delivered it
+  std::map<std::uint64_t, std::thread::id> ran_inline;  // id -> thread that ran its task inline
+  std::vector<std::function<void()>> queued;            // tasks passed to the fallback
+  std::vector<std::uint64_t> queued_ids;
+  int inline_now = 0, inline_max = 0;
+  bool release = false;
+
+  transport::TransportCallbacks cb;
+  cb.on_message = [&](int, wire::Message&& m) {
+    const std::uint64_t id = m.id;
+    const bool blocks = m.payload == "block";
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      order.push_back(id);
+      read_on[id] = std::this_thread::get_id();
+    }
+    cv.notify_all();
+    std::function<void()> task = [&, id, blocks] {
+      std::unique_lock<std::mutex> lk(mu);
+      ran_inline[id] = std::this_thread::get_id();
+      inline_max = std::max(inline_max, ++inline_now);
+      cv.notify_all();
+      if (blocks) cv.wait(lk, [&] { return release; });
+      --inline_now;
+    };
+    const std::function<bool(std::function<void()>)> fallback = [&, id](std::function<void()> t) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        queued.push_back(std::move(t));
+        queued_ids.push_back(id);
+      }
+      cv.notify_all();
+      return true;
+    };
+    // Refused when the scope already holds a task (a second message of the same read): the
+    // receiver queues it itself, as the agent does.
+    if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  NodeOf<P> a(0);
+  auto b = std::make_unique<typename P::Context>(options_for(1), cb);
+  a.ctx->add_peer(1, "w1", b->address());
+  b->add_peer(0, "w0", a.ctx->address());
+
+  // 1. A lone message: its task runs inline, on the thread that read it.
+  a.ctx->send(1, make_message(wire::MessageType::Request, 1, "block"));
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return ran_inline.count(1) == 1; }));
+    CHECK(ran_inline[1] == read_on[1]);
+  }
+  // 2. While it blocks, 50 more messages are still read and delivered in order (by the other
+  //    reading thread); none of their tasks runs inline (one is already running).
+  for (std::uint64_t id = 2; id <= 51; ++id) {
+    a.ctx->send(1, make_message(wire::MessageType::Request, id, "quick"));
+  }
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    // (A task reaches the fallback just after its message was delivered: wait for both.)
+    CHECK(cv.wait_for(lk, 10s, [&] { return order.size() == 51 && queued.size() == 50; }));
+    CHECK(order.size() == 51);
+    CHECK(queued.size() == 50);
+    CHECK(ran_inline.size() == 1);
+    CHECK(read_on[2] != read_on[1]);
+    release = true;
+  }
+  cv.notify_all();
+  for (std::uint64_t i = 0; i < order.size(); ++i) CHECK(order[i] == i + 1);
+
+  // 3. Quiet again: a lone message runs inline once more. (The thread that ran task 1 needs a
+  //    moment to offer itself for reading again; until then a lone task is queued, correctly:
+  //    so send lone messages, each after the previous one settled, until one runs inline.)
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return inline_now == 0; }));
+  }
+  std::uint64_t last = 51;
+  bool ran_lone_inline = false;
+  for (int attempt = 0; attempt < 20 && !ran_lone_inline; ++attempt) {
+    const std::uint64_t id = ++last;
+    a.ctx->send(1, make_message(wire::MessageType::Request, id, "quick"));
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] {
+      return ran_inline.count(id) == 1 ||
+             std::find(queued_ids.begin(), queued_ids.end(), id) != queued_ids.end();
+    }));
+    ran_lone_inline = ran_inline.count(id) == 1;
+    if (ran_lone_inline) CHECK(ran_inline[id] == read_on[id]);
+    lk.unlock();
+    if (!ran_lone_inline) std::this_thread::sleep_for(5ms);
+  }
+  CHECK(ran_lone_inline);
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return inline_now == 0; }));
+    CHECK(inline_max == 1);
+    // Every offered task went one way, exactly once.
+    std::set<std::uint64_t> seen(queued_ids.begin(), queued_ids.end());
+    CHECK(seen.size() == queued_ids.size());
+    for (const auto& [id, t] : ran_inline) CHECK(seen.count(id) == 0);
+    CHECK(seen.size() + ran_inline.size() == last);
+  }
+  b->shutdown();
+  a.ctx->shutdown();
+  for (auto& t : queued) t();  // what the fallback received is a runnable task
+  CHECK(inline_max == 1);
+  std::function<void()> outside = [] {};
+  CHECK_FALSE(transport::offer_inline(outside, {}));  // no scope open on this thread
+  CHECK(outside);                                     // and the task was not taken
 }
 
 }  // namespace distrpc::testing

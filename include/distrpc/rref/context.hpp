@@ -107,6 +107,8 @@ class RRefHost {
   virtual void host_protocol_end() = 0;
   // Where user callbacks of futures handed to the user run.
   virtual ExecutorFn host_user_executor() = 0;
+  // How long blocking calls poll for a reply before sleeping (RpcBackendOptions::sync_wait_spin).
+  virtual std::chrono::microseconds host_sync_wait_spin() const = 0;
 
  protected:
   virtual ~RRefHost() = default;
@@ -506,6 +508,8 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   }
 
   // ---- user operations -------------------------------------------------------------------------
+
+  std::chrono::microseconds sync_wait_spin() const { return host_.host_sync_wait_spin(); }
 
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     wire::Message m;

@@ -11,10 +11,13 @@
 //
 // Threads: the calling thread connects, handshakes and writes (into the ring, under a
 // per-connection mutex: no hand-off). One listener thread accepts and handshakes incoming
-// connections. One I/O thread reads every incoming ring, watches every socket and runs the
-// callbacks; it spins (yielding the CPU) for a short while after activity and then sleeps on an
-// eventfd, so an idle agent uses no CPU. A writer signals the eventfd only when the reader said it
-// was going to sleep (ring.hpp).
+// connections. Two I/O threads take turns as the reader (leader/follower): the leader reads every
+// incoming ring, watches every socket and runs the callbacks; it spins (yielding the CPU) for a
+// short while after activity and then sleeps on an eventfd, so an idle agent uses no CPU. A writer
+// signals the eventfd only when the reader said it was going to sleep (ring.hpp). When on_message
+// hands a task back (transport.hpp, InlineScope) and the rings are empty, the leader passes the
+// lead to the other thread, which is parked on a mutex, and runs the task itself: a small request
+// then runs without waking a pool thread, and reading never waits for it.
 #pragma once
 
 #include <pthread.h>
@@ -323,7 +326,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     auto self = shared_from_this();
     listen_thread_ =
         std::thread([self] { self->run_thread(&Impl::listener_loop, "distrpc-shm-lsn"); });
-    io_thread_ = std::thread([self] { self->run_thread(&Impl::io_loop, "distrpc-shm-io"); });
+    for (auto& t : io_threads_) {
+      t = std::thread([self] { self->run_thread(&Impl::io_main, "distrpc-shm-io"); });
+    }
   }
 
   const std::string& address() const { return address_; }
@@ -374,8 +379,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     signal_eventfd(wake_efd_.get());
     signal_eventfd(listener_stop_.get());
     const auto me = std::this_thread::get_id();
-    const bool on_io_thread = io_thread_.joinable() && io_thread_.get_id() == me;
-    for (std::thread* t : {&listen_thread_, &io_thread_}) {
+    bool on_io_thread = false;
+    for (auto& t : io_threads_) on_io_thread |= t.joinable() && t.get_id() == me;
+    for (std::thread* t : {&listen_thread_, &io_threads_[0], &io_threads_[1]}) {
       if (!t->joinable()) continue;
       // Called from a callback: this thread cannot join itself; it returns to a stopped loop and
       // exits, holding the last reference to this object if the Context is gone by then.
@@ -978,22 +984,68 @@ class Impl : public std::enable_shared_from_this<Impl> {
     std::shared_ptr<OutConn> out;
   };
 
-  void io_loop() {
+  // One I/O thread: waits for the lead, reads as the leader until a task is handed back, passes
+  // the lead on and runs the task, then queues up for the lead again. The members only the
+  // reader touches (ins_, watched_, ...) pass between the threads with lead_mu_.
+  void io_main() {
+    std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
+    for (;;) {
+      waiting_for_lead_.fetch_add(1);
+      lead.lock();
+      waiting_for_lead_.fetch_sub(1);
+      InlineTask task;
+      while (!stopping_.load()) {
+        task = io_loop();
+        // Run it here only if the other thread is parked, ready to read meanwhile; if it is busy
+        // with a task of its own, this one goes to the receiver's pool and this thread reads on.
+        if (!task.run || waiting_for_lead_.load() > 0) break;
+        queue(std::move(task));
+        task = InlineTask{};
+      }
+      lead.unlock();
+      if (!task.run) return;  // stopping
+      if (stopping_.load()) {
+        queue(std::move(task));
+        return;
+      }
+      try {
+        task.run();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "distrpc shm: %s: a handed-back task threw: %s\n", self_text().c_str(),
+                     e.what());
+      }
+    }
+  }
+
+  static void queue(InlineTask t) {
+    if (!t.fallback) return;
+    try {
+      t.fallback(std::move(t.run));
+    } catch (...) {
+      // A refusal means the receiver is shutting down: it would have dropped a posted task too.
+    }
+  }
+
+  // The leader's loop: returns a task on_message handed back (when the rings are empty), or an
+  // empty one when stopping.
+  InlineTask io_loop() {
     auto last_activity = Clock::now();
     auto last_socket_poll = Clock::now();
     const auto spin = std::chrono::microseconds(spin_us_);
     while (!stopping_.load(std::memory_order_relaxed)) {
+      InlineScope scope;
       if (changes_.load(std::memory_order_acquire)) apply_changes();
       bool progress = false;
       for (std::size_t i = 0; i < ins_.size(); ++i) {
         std::shared_ptr<InConn> c = ins_[i];  // a copy: service() may remove it from ins_
-        progress |= service(c);
+        progress |= service(c, scope);
       }
       auto now = Clock::now();
       if (now - last_socket_poll >= kSocketPollPeriod) {
         poll_sockets(0);
         last_socket_poll = now;
       }
+      if (scope.holds_task()) return scope.take();
       if (progress) {
         last_activity = now;
         continue;
@@ -1017,6 +1069,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       for (auto& c : ins_) c->reader.clear_sleeping();
       last_activity = last_socket_poll = Clock::now();
     }
+    return {};
   }
 
   void apply_changes() {
@@ -1076,7 +1129,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) c->hung_up = true;
     if (!c->hung_up) return;
     // Deliver what the peer completed before it went away, then report it.
-    while (service(c)) {
+    InlineScope scope;  // what the last records hand back is queued: the peer is gone
+    while (service(c, scope)) {
       if (stopping_.load()) return;
     }
     if (!is_in_watched(token)) return;  // service() dropped it already
@@ -1169,7 +1223,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
   }
 
   // Reads what the ring holds; true if it made progress. Drops the connection on any violation.
-  bool service(std::shared_ptr<InConn> cp) {
+  // A task on_message hands back is kept in `scope` only while nothing follows it: more bytes
+  // (a stream of calls) queue it at once, so it never waits behind later records.
+  bool service(std::shared_ptr<InConn> cp, InlineScope& scope) {
     InConn& c = *cp;
     bool progress = false;
     try {
@@ -1177,6 +1233,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (avail == 0) return false;
       progress = true;
       while (avail > 0) {
+        scope.release_to_fallback();
         switch (c.stage) {
           case InConn::Stage::Record: {
             c.record_filled += take(c, c.record.data() + c.record_filled,
@@ -1414,7 +1471,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   std::thread listen_thread_;
-  std::thread io_thread_;
+  std::array<std::thread, 2> io_threads_;  // leader and follower, by turns
+  std::mutex lead_mu_;                     // held by the leader: the one thread that reads
+  std::atomic<int> waiting_for_lead_{0};   // threads parked on lead_mu_, ready to take over
 };
 
 }  // namespace shm_detail
