@@ -3,13 +3,17 @@
 // this binary; no fork) and prints one JSON object.
 //
 //   build/examples/bench_rpc [--transport tcp|shm|auto] [--small N] [--big N] [--async N]
+//                            [--sync-spin-us N]   (RpcBackendOptions::sync_wait_spin; default: its)
 //
 // echo_small_us    median round trip of rpc_sync(ident, tensor of 4 floats)
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
 // async_small_cps  completed calls per second with 64 small rpc_async in flight
 // idle_cpu_pct     CPU used by the idle 2-worker group (both processes) over 1 s, in % of one core
 // remote_to_here_us median of remote(ident, tensor of 4 floats) then to_here() (two round trips)
-// remote_fwd_us, dist_step_us: null until RemoteModule and distributed autograd exist.
+// remote_fwd_us    median RemoteModule<torch::nn::Linear(64,64)>.forward round trip, input 8x64
+// local_fwd_us     median forward of the same Linear(64,64) on the same input, in this process
+//                  (the target: remote_fwd_us <= 1.2 x (echo_small_us + local_fwd_us))
+// dist_step_us: null until distributed autograd exists.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -28,6 +32,7 @@
 #include <torch/torch.h>
 
 #include "distrpc/distrpc.hpp"
+#include "distrpc/nn/remote_module.hpp"
 #include "distrpc/transport/tcp.hpp"
 #if __has_include("distrpc/transport/shm.hpp")
 #include "distrpc/transport/auto.hpp"
@@ -43,6 +48,11 @@ using Clock = std::chrono::steady_clock;
 at::Tensor ident(at::Tensor t) {
   return t;
 }
+
+// remote_fwd_us: the interface torch_rpc_ref.py's RemoteModule(nn.Linear) is called through.
+struct LinearInterface {
+  at::Tensor forward(at::Tensor x);
+};
 
 // CPU seconds (user + system) this process has used: called remotely to measure an idle group.
 double process_cpu_seconds() {
@@ -60,6 +70,7 @@ struct Args {
   int small = 2000;
   int big = 10;
   int async_calls = 5000;
+  int sync_spin_us = -1;  // -1: the library's default (RpcBackendOptions::sync_wait_spin)
 };
 
 Args parse(int argc, char** argv) {
@@ -84,10 +95,12 @@ Args parse(int argc, char** argv) {
       a.big = std::stoi(next());
     } else if (k == "--async") {
       a.async_calls = std::stoi(next());
+    } else if (k == "--sync-spin-us") {
+      a.sync_spin_us = std::stoi(next());
     } else {
       throw std::invalid_argument("unknown argument '" + k +
                                   "' (expected --transport tcp|shm|auto, --small N, --big N, "
-                                  "--async N)");
+                                  "--async N, --sync-spin-us N)");
     }
   }
 #ifdef BENCH_HAVE_SHM
@@ -122,6 +135,7 @@ int run_worker(const Args& a) {
   opts.init_method = a.init;
   opts.num_worker_threads = 8;
   opts.rpc_timeout = std::chrono::seconds(120);
+  if (a.sync_spin_us >= 0) opts.sync_wait_spin = std::chrono::microseconds(a.sync_spin_us);
   const std::string me = "worker" + std::to_string(a.rank);
 #ifdef BENCH_HAVE_SHM
   if (a.transport == "shm") {
@@ -140,6 +154,20 @@ int run_worker(const Args& a) {
                                         a.small, a.small / 10);
     const double remote_to_here = median_us(
         [&] { (void)distrpc::remote<&ident>("worker1", small).to_here(); }, a.small, a.small / 10);
+    // RemoteModule forward round trip as torch_rpc_ref.py measures it (1000 calls after 100 by
+    // default), and the same module's forward run locally, so the target can be read off one run;
+    // right after the echo, in the same machine state.
+    const int fwd_calls = std::max(10, a.small / 2);
+    double remote_fwd = 0;
+    double local_fwd = 0;
+    {
+      auto rm = distrpc::nn::RemoteModule<LinearInterface>::create<torch::nn::Linear>("worker1/cpu",
+                                                                                      64, 64);
+      const at::Tensor x = torch::randn({8, 64});
+      remote_fwd = median_us([&] { (void)rm.forward(x); }, fwd_calls, fwd_calls / 10);
+      torch::nn::Linear local(64, 64);
+      local_fwd = median_us([&] { (void)local->forward(x); }, fwd_calls, fwd_calls / 10);
+    }
     const at::Tensor big = torch::ones({16 * 1024 * 1024});
     const double big_us =
         median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", big); }, a.big, 1);
@@ -172,8 +200,10 @@ int run_worker(const Args& a) {
     std::snprintf(buf, sizeof buf,
                   "{\"transport\": \"%s\", \"echo_small_us\": %.1f, \"echo_64MiB_GBps\": %.3f, "
                   "\"async_small_cps\": %.0f, \"idle_cpu_pct\": %.2f, "
-                  "\"remote_to_here_us\": %.1f, \"remote_fwd_us\": null, \"dist_step_us\": null}",
-                  a.transport.c_str(), echo_small, gbps, cps, idle_pct, remote_to_here);
+                  "\"remote_to_here_us\": %.1f, \"remote_fwd_us\": %.1f, \"local_fwd_us\": %.1f, "
+                  "\"dist_step_us\": null}",
+                  a.transport.c_str(), echo_small, gbps, cps, idle_pct, remote_to_here, remote_fwd,
+                  local_fwd);
     out << buf << "\n";
   }
   distrpc::shutdown();
@@ -191,7 +221,8 @@ int launch(const Args& a) {
   for (int r = 0; r < 2; ++r) {
     ranks.push_back({"--rank", std::to_string(r), "--init", init, "--out", out, "--transport",
                      a.transport, "--small", std::to_string(a.small), "--big",
-                     std::to_string(a.big), "--async", std::to_string(a.async_calls)});
+                     std::to_string(a.big), "--async", std::to_string(a.async_calls),
+                     "--sync-spin-us", std::to_string(a.sync_spin_us)});
   }
   const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
   std::ifstream in(out);

@@ -13,3 +13,6 @@ echo "== 4 local workers call each other over RPC (TCP on 127.0.0.1)"
 echo
 echo "== a parameter server (worker0) and 3 trainers over RRef proxies"
 ./build/examples/parameter_server --iterations 20
+echo
+echo "== a model split over two workers: local features on worker0, a RemoteModule head on worker1"
+./build/examples/remote_module --batches 100

@@ -725,11 +725,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
     const auto usable = [&]() -> std::shared_ptr<Connection> {
       std::lock_guard<std::mutex> lk(p->mu);
-      if (p->out) return p->out;
+      // Checked before `out`: the loss is reported once, when the first of the peer's two
+      // connections breaks, so a message sent on the other one before it notices would hang.
       if (!p->lost_reason.empty()) {
         throw DistNetworkError("distrpc tcp: cannot send to " + p->describe_locked() +
                                ": the connection was lost (" + p->lost_reason + ")");
       }
+      if (p->out) return p->out;
       if (p->address.empty()) {
         throw DistNetworkError("distrpc tcp: cannot send to " + p->describe_locked() +
                                ": its address is unknown (add_peer() was not called for it)");
