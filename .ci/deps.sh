@@ -26,5 +26,7 @@ distrpc_build() {
       return 1
   fi
   # Two cores and ~1 GiB per libtorch translation unit: -j2 keeps memory and time predictable.
-  ninja -C "$dir" -j "${DISTRPC_JOBS:-2}"
+  # DISTRPC_TARGETS (space-separated) builds only those targets.
+  # shellcheck disable=SC2086
+  ninja -C "$dir" -j "${DISTRPC_JOBS:-2}" ${DISTRPC_TARGETS:-}
 }

@@ -6,12 +6,21 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 flags=(-std=c++20 -fsyntax-only -DASIO_STANDALONE -I"$repo/include" -I"$repo/transports/tcp/include"
        -isystem /usr/include/torch/csrc/api/include)
+# Each check is a libtorch-heavy -fsyntax-only compile: run them DISTRPC_JOBS (2) at a time.
+out_dir=$(mktemp -d)
+trap 'rm -rf "$out_dir"' EXIT
+jobs=${DISTRPC_JOBS:-2}
+for f in "$here"/*.cpp; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+  ( ${CXX:-c++} "${flags[@]}" "$f" >"$out_dir/$(basename "$f").out" 2>&1; echo $? >"$out_dir/$(basename "$f").rc" ) &
+done
+wait
 pass=0; fail=0
 for f in "$here"/*.cpp; do
   want=$(head -1 "$f" | sed -n 's|^// expect: ||p')
-  out=$(${CXX:-c++} "${flags[@]}" "$f" 2>&1)
-  rc=$?
-  if [ $rc -ne 0 ] && grep -qF -- "$want" <<<"$out"; then
+  out=$(cat "$out_dir/$(basename "$f").out")
+  rc=$(cat "$out_dir/$(basename "$f").rc")
+  if [ "$rc" -ne 0 ] && grep -qF -- "$want" <<<"$out"; then
     pass=$((pass + 1)); echo "ok    $(basename "$f")"
   else
     fail=$((fail + 1)); echo "FAIL  $(basename "$f"): expected a compile error containing: $want"
