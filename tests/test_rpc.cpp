@@ -37,6 +37,7 @@
 #include <distrpc/transport/tcp.hpp>
 
 #include "multiprocess.hpp"
+#include "support/rpc_test_util.hpp"
 #include "support/rpc_under_test.hpp"
 
 using namespace std::chrono_literals;
@@ -47,51 +48,18 @@ using distrpc::testing::RankContext;
 using distrpc::testing::run_ranks;
 using distrpc::testing::RunOptions;
 using Clock = std::chrono::steady_clock;
+using distrpc::testing::contains;
+using distrpc::testing::expect_exact;
+using distrpc::testing::file_url;
+using distrpc::testing::init;
+using distrpc::testing::ms_since;
+using distrpc::testing::wname;
 
 namespace {
-
-std::string wname(int rank) {
-  return "worker" + std::to_string(rank);
-}
-
-// init_rpc as every case does it: worker{rank}, the run's file:// rendezvous.
-void init(const RankContext& ctx, RpcBackendOptions o = {}) {
-  o.init_method = ctx.file_url();
-  distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
-}
-
-// A fresh rendezvous file of this run (for a second init in the same processes).
-std::string file_url(const RankContext& ctx, const std::string& tag) {
-  return "file://" + ctx.dir + "/rendezvous-" + tag;
-}
-
-long long ms_since(Clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
-}
 
 // doctest::Contains takes a doctest::String, built from a C string.
 doctest::Contains has(const std::string& text) {
   return doctest::Contains(text.c_str());
-}
-
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
-
-// Runs fn, expecting an exception whose dynamic type is exactly E and whose text has `text`.
-template <class E, class Fn>
-void expect_exact(Fn&& fn, const std::string& text, const std::string& what) {
-  INFO("case: " << what);
-  try {
-    fn();
-    FAIL_CHECK("no exception was raised (expected " << distrpc::demangle(typeid(E).name())
-                                                    << " containing \"" << text << "\")");
-  } catch (const std::exception& e) {
-    CHECK_MESSAGE(typeid(e) == typeid(E),
-                  "expected type " << distrpc::demangle(typeid(E).name()) << ", got "
-                                   << distrpc::demangle(typeid(e).name()) << ": " << e.what());
-    CHECK_MESSAGE(contains(e.what(), text), "\"" << e.what() << "\" lacks \"" << text << "\"");
-  }
 }
 
 // A fresh 2x3 sparse COO tensor: upstream's build_sparse_tensor(); `coalesce` as upstream.
