@@ -211,26 +211,22 @@ int run_worker(const Args& a) {
 }
 
 int launch(const Args& a) {
-  namespace fs = std::filesystem;
-  char tmpl[] = "/tmp/distrpc-bench-XXXXXX";
-  if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-  const std::string dir = tmpl;
-  const std::string init = "file://" + dir + "/rendezvous";
-  const std::string out = dir + "/result.json";
-  std::vector<std::vector<std::string>> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.push_back({"--rank", std::to_string(r), "--init", init, "--out", out, "--transport",
-                     a.transport, "--small", std::to_string(a.small), "--big",
-                     std::to_string(a.big), "--async", std::to_string(a.async_calls),
-                     "--sync-spin-us", std::to_string(a.sync_spin_us)});
-  }
-  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
-  std::ifstream in(out);
   std::string line;
-  std::getline(in, line);
-  std::error_code ec;
-  fs::remove_all(dir, ec);
-  if (rc != 0 || line.empty()) {
+  const bool ok = distrpc_examples::run_local_group(
+      2, "bench",
+      [&](int, const std::string& dir) {
+        return std::vector<std::string>{"--out",          dir + "/result.json",
+                                        "--transport",    a.transport,
+                                        "--small",        std::to_string(a.small),
+                                        "--big",          std::to_string(a.big),
+                                        "--async",        std::to_string(a.async_calls),
+                                        "--sync-spin-us", std::to_string(a.sync_spin_us)};
+      },
+      [&](const std::string& dir) {
+        std::ifstream in(dir + "/result.json");
+        std::getline(in, line);
+      });
+  if (!ok || line.empty()) {
     std::fprintf(stderr, "bench_rpc: a worker failed\n");
     return 1;
   }

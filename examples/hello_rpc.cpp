@@ -55,18 +55,13 @@ int worker(int rank, int world, const std::string& init) {
 }
 
 int launch(int world) {
-  namespace fs = std::filesystem;
-  char tmpl[] = "/tmp/distrpc-hello-XXXXXX";
-  if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-  const std::string init = std::string("file://") + tmpl + "/rendezvous";
-  std::vector<std::vector<std::string>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(
-        {"--rank", std::to_string(r), "--world", std::to_string(world), "--init", init});
-  }
-  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
-  std::error_code ec;
-  fs::remove_all(tmpl, ec);
+  const int rc = distrpc_examples::run_local_group(
+                     world, "hello",
+                     [&](int, const std::string&) {
+                       return std::vector<std::string>{"--world", std::to_string(world)};
+                     })
+                     ? 0
+                     : 1;
   std::printf(rc == 0 ? "hello_rpc: %d workers done, clean shutdown\n"
                       : "hello_rpc: a worker FAILED (%d workers)\n",
               world);

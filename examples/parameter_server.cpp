@@ -129,19 +129,15 @@ int worker(int rank, int world, int iterations, const std::string& init) {
 }
 
 int launch(int iterations) {
-  namespace fs = std::filesystem;
-  char tmpl[] = "/tmp/distrpc-ps-XXXXXX";
-  if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-  const std::string init = std::string("file://") + tmpl + "/rendezvous";
   const int world = kTrainers + 1;
-  std::vector<std::vector<std::string>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back({"--rank", std::to_string(r), "--world", std::to_string(world), "--iterations",
-                     std::to_string(iterations), "--init", init});
-  }
-  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
-  std::error_code ec;
-  fs::remove_all(tmpl, ec);
+  const int rc = distrpc_examples::run_local_group(
+                     world, "ps",
+                     [&](int, const std::string&) {
+                       return std::vector<std::string>{"--world", std::to_string(world),
+                                                       "--iterations", std::to_string(iterations)};
+                     })
+                     ? 0
+                     : 1;
   std::printf(rc == 0 ? "parameter_server: 1 server and %d trainers done, clean shutdown\n"
                       : "parameter_server: FAILED (%d trainers)\n",
               kTrainers);

@@ -130,19 +130,15 @@ int run_worker(const Args& a) {
 }
 
 int launch(const Args& a) {
-  namespace fs = std::filesystem;
-  char tmpl[] = "/tmp/distrpc-rm-XXXXXX";
-  if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-  const std::string init = std::string("file://") + tmpl + "/rendezvous";
-  std::vector<std::vector<std::string>> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.push_back({"--rank", std::to_string(r), "--init", init, "--batches",
-                     std::to_string(a.batches), "--batch", std::to_string(a.batch), "--inflight",
-                     std::to_string(a.inflight)});
-  }
-  const int rc = distrpc_examples::spawn_self_and_wait(ranks) ? 0 : 1;
-  std::error_code ec;
-  fs::remove_all(tmpl, ec);
+  const int rc = distrpc_examples::run_local_group(2, "rm",
+                                                   [&](int, const std::string&) {
+                                                     return std::vector<std::string>{
+                                                         "--batches",  std::to_string(a.batches),
+                                                         "--batch",    std::to_string(a.batch),
+                                                         "--inflight", std::to_string(a.inflight)};
+                                                   })
+                     ? 0
+                     : 1;
   std::printf(rc == 0 ? "remote_module: done, clean shutdown\n" : "remote_module: FAILED\n");
   return rc;
 }
