@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <typeinfo>
 #include <vector>
 
@@ -268,6 +269,42 @@ int trainer(RRef<ParameterServer> ps, int seed) {
   return checked;
 }
 
+// Functions returning nothing, for RRef<void>. Each worker keeps counts per key (the caller's
+// rank), so concurrent callers never disturb each other's expected values.
+std::map<int, int> g_counts;  // guarded by g_mu
+void bump(int key, int by) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_counts[key] += by;
+}
+void slow_bump(int key, int by, int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  bump(key, by);
+}
+int count_of(int key) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_counts.find(key);
+  return it == g_counts.end() ? 0 : it->second;
+}
+void raise_in_void(std::string text) {
+  throw std::invalid_argument(text);
+}
+// Asynchronous and returning nothing: done once the nested call to `to` ran.
+Future<void> async_bump(int to, int key, int by) {
+  return distrpc::rpc_async<&slow_bump>(to, key, by, 100);
+}
+// Received as an argument: waits for the function behind it, then reads the owner's count.
+std::string wait_void_rref(RRef<void> r, int key) {
+  const bool confirmed = r.confirmed_by_owner();
+  const bool owner = r.is_owner();
+  r.to_here();
+  return std::to_string(distrpc::rpc_sync<&count_of>(r.owner(), key)) +
+         (confirmed ? " confirmed" : " unconfirmed") + (owner ? " owner" : " user");
+}
+// Returns a user RRef<void> whose owner is a third worker.
+RRef<void> make_void_rref(int owner, int key) {
+  return distrpc::remote<&bump>(owner, key, 1);
+}
+
 }  // namespace rref_test
 
 using namespace rref_test;
@@ -347,6 +384,118 @@ DISTRPC_MP_TEST("rref: world size 1: remote to self in every mode, proxies to se
   CHECK(obj.local_value().value == 6);
   CHECK(owners_and_forks(0, 0));
   distrpc::shutdown();
+}
+
+// ---- §C: remote() of a function returning nothing: RRef<void> -----------------------------------
+
+DISTRPC_MP_TEST("rref: remote() of a void function gives RRef<void>: peer, self, errors, sharing",
+                4, 60) {
+  init(ctx);
+  const int next = (ctx.rank + 1) % ctx.world;
+  const int third = (ctx.rank + 2) % ctx.world;
+  const int key = ctx.rank;
+  const std::string r = std::to_string(ctx.rank);
+
+  // To a peer: to_here() returns only after the function ran there (it sleeps first).
+  auto peer = distrpc::remote<&slow_bump>(next, key, 1, 200);
+  static_assert(std::is_same_v<decltype(peer), RRef<void>>);
+  CHECK(peer.str() == "UserRRef(RRefId = GloballyUniqueId(created_on=" + r +
+                          ", local_id=0), ForkId = GloballyUniqueId(created_on=" + r +
+                          ", local_id=1))");
+  CHECK_FALSE(peer.is_owner());
+  CHECK(peer.owner() == distrpc::get_worker_infos()[static_cast<std::size_t>(next)]);
+  CHECK(peer.owner_name() == wname(next));
+  peer.to_here();
+  CHECK(distrpc::rpc_sync<&count_of>(next, key) == 1);
+  peer.get_future().wait();  // the creation future (may complete just after the fetch)
+  CHECK(peer.confirmed_by_owner());
+  CHECK(peer.type_name() == "void");
+  expect_exact<distrpc::RpcError>([&] { peer.local_value(); },
+                                  "can't call localValue() on user WorkerInfo(id=" + r,
+                                  "local_value of a user RRef<void>");
+
+  // To self: an owner RRef<void>; the function has run once to_here()/local_value() return.
+  auto self = distrpc::remote<&slow_bump>(ctx.rank, key, 10, 100);
+  CHECK(self.is_owner());
+  CHECK(self.str() == "OwnerRRef(GloballyUniqueId(created_on=" + r + ", local_id=2))");
+  self.to_here();
+  CHECK(count_of(key) == 10);
+  self.local_value();
+  CHECK(self.type_name() == "void");
+  self.get_future().wait();
+
+  // A function returning Future<void>: done once its nested call to the third worker ran.
+  auto async = distrpc::remote<&async_bump>(next, third, key, 100);
+  static_assert(std::is_same_v<decltype(async), RRef<void>>);
+  async.to_here(5s);
+  CHECK(distrpc::rpc_sync<&count_of>(third, key) == 100);
+
+  // The function's exception comes back from to_here() with its type and text; the creation
+  // itself succeeded.
+  auto bad = distrpc::remote<&raise_in_void>(next, std::string("void fn failed on purpose"));
+  bad.get_future().wait();
+  expect_exact<std::invalid_argument>([&] { bad.to_here(); }, "void fn failed on purpose",
+                                      "to_here of a throwing void function on a peer");
+  expect_exact<std::invalid_argument>([&] { bad.type_name(); }, "void fn failed on purpose",
+                                      "type query of a throwing void function");
+  auto bad_self = distrpc::remote<&raise_in_void>(ctx.rank, std::string("on self"));
+  expect_exact<std::invalid_argument>([&] { bad_self.to_here(); }, "on self", "to_here on self");
+  expect_exact<std::invalid_argument>([&] { bad_self.local_value(); }, "on self",
+                                      "local_value on self");
+
+  // Passed as an argument to a third worker, which waits on it (the function is still sleeping
+  // when the call starts), and to the owner itself.
+  auto shared = distrpc::remote<&slow_bump>(next, key, 1000, 300);
+  CHECK(distrpc::rpc_sync<&wait_void_rref>(third, shared, key) == "1001 confirmed user");
+  CHECK(distrpc::rpc_sync<&wait_void_rref>(next, shared, key) == "1001 confirmed owner");
+  CHECK(distrpc::remote<&wait_void_rref>(third, shared, key).to_here() == "1001 confirmed user");
+  // Returned by a function: a user RRef<void> owned by a third worker.
+  RRef<void> returned = distrpc::rpc_sync<&make_void_rref>(next, third, key);
+  CHECK(returned.owner_name() == wname(third));
+  returned.to_here();
+  CHECK(distrpc::rpc_sync<&count_of>(third, key) == 101);
+
+  // Every worker owns, for its predecessor: peer, async, bad and shared (forks held by it), and
+  // for the worker two before it the returned one (its fork moved there): 5 cells, 5 forks.
+  CHECK(flushed());
+  distrpc::barrier();
+  CHECK_MESSAGE(owners_and_forks(5, 5), counters_line());
+  distrpc::barrier();
+  peer = RRef<void>();
+  self = RRef<void>();
+  async = RRef<void>();
+  bad = RRef<void>();
+  bad_self = RRef<void>();
+  shared = RRef<void>();
+  returned = RRef<void>();
+  CHECK(flushed());
+  distrpc::barrier();
+  CHECK_MESSAGE(owners_and_forks(0, 0), counters_line());
+  CHECK(counter("num_pending_children") == 0);
+  CHECK_NOTHROW(distrpc::shutdown());  // graceful, with the leak check on
+}
+
+DISTRPC_MP_TEST("rref: RRef<void> from proxies of methods returning void, typed and by name", 2,
+                60) {
+  init(ctx);
+  const int dst = (ctx.rank + 1) % ctx.world;
+  auto list = distrpc::remote<&get_rref_list>(dst, std::vector<int>{0});
+  auto obj = list.to_here()[0];  // a user RRef<MyClass> owned by dst
+  auto done = obj.remote<&MyClass::increment_value>(2);
+  static_assert(std::is_same_v<decltype(done), RRef<void>>);
+  CHECK(done.owner_name() == wname(dst));
+  done.to_here();
+  CHECK(obj.rpc_sync<&MyClass::get_value>() == 2);
+  RRef<void> by_name = obj.remote_by_name<void>("increment_value", 3);
+  by_name.to_here();
+  CHECK(obj.rpc_sync<&MyClass::get_value>() == 5);
+  // Owner is self.
+  RRef<MyClass> local(MyClass(1));
+  auto local_done = local.remote<&MyClass::increment_value>(4);
+  CHECK(local_done.is_owner());
+  local_done.to_here();
+  CHECK(local.local_value().value == 5);
+  CHECK_NOTHROW(distrpc::shutdown());
 }
 
 // ---- scenario 3: three parties, with the owner's counter trace --------------------------------

@@ -175,26 +175,30 @@ Future<wire::Message> invoke(const wire::Message& request) {
   }
 }
 
-// The remote() handler of F: decode, call, and box the result for the owner's RRef.
+// The remote() handler of F: decode, call, and box the result for the owner's RRef (a function
+// returning void leaves a NoValue: the RRef<void> only tells that it ran, or how it failed).
 template <auto F>
 Future<BoxedValue> invoke_boxed(const wire::Message& request) {
   using R = fn_result_t<F>;
   using V = unwrap_future_t<R>;
-  if constexpr (std::is_void_v<V>) {
-    (void)request;
-    throw std::invalid_argument("'" + std::string(function_name<F>()) +
-                                "' returns void: distrpc::remote() needs a value to own");
+  using S = rref_storage_t<V>;
+  auto args = decode_arguments<F>(request);
+  if constexpr (is_future_v<R>) {
+    R fut = std::apply(F, std::move(args));
+    return fut.then([](const R& done) {
+      if constexpr (std::is_void_v<V>) {
+        done.value();
+        return BoxedValue{std::make_shared<S>(), value_ops<S>()};
+      } else {
+        return BoxedValue{std::make_shared<S>(done.value()), value_ops<S>()};
+      }
+    });
+  } else if constexpr (std::is_void_v<V>) {
+    std::apply(F, std::move(args));
+    return make_ready_future(BoxedValue{std::make_shared<S>(), value_ops<S>()});
   } else {
-    auto args = decode_arguments<F>(request);
-    if constexpr (is_future_v<R>) {
-      R fut = std::apply(F, std::move(args));
-      return fut.then([](const R& done) {
-        return BoxedValue{std::make_shared<V>(done.value()), value_ops<V>()};
-      });
-    } else {
-      return make_ready_future(
-          BoxedValue{std::make_shared<V>(std::apply(F, std::move(args))), value_ops<V>()});
-    }
+    return make_ready_future(
+        BoxedValue{std::make_shared<S>(std::apply(F, std::move(args))), value_ops<S>()});
   }
 }
 

@@ -50,9 +50,8 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
 
 template <class T>
 class RRef {
-  static_assert(!std::is_reference_v<T> && !std::is_const_v<T> && !std::is_void_v<T> &&
-                    !std::is_array_v<T>,
-                "distrpc::RRef<T>: T must be a non-const object type");
+  static_assert(!std::is_reference_v<T> && !std::is_const_v<T> && !std::is_array_v<T>,
+                "distrpc::RRef<T>: T must be a non-const object type (or void, see RRef<void>)");
 
  public:
   using value_type = T;
@@ -264,7 +263,7 @@ class RRef {
     }
     if (d.type_hash != detail::type_hash_of<T>()) {
       throw wire::DecodeError("RRef " + d.rref_id.str() + " does not hold a '" +
-                              std::string(detail::type_name<T>()) +
+                              detail::value_type_name<T>() +
                               "' (sender and receiver disagree on its type)");
     }
     impl_ = scope->ctx->on_child_received(d, *scope);
@@ -293,7 +292,7 @@ class RRef {
     i.cell->wait(limit, i.str());
     if (i.cell->ops->type_hash != detail::type_hash_of<T>()) {
       throw RpcError(i.str() + " holds a '" + i.cell->ops->type_name + "', not a '" +
-                     std::string(detail::type_name<T>()) + "'");
+                     detail::value_type_name<T>() + "'");
     }
   }
 
@@ -349,6 +348,110 @@ class RRef {
 };
 
 namespace detail {
+template <auto>
+inline constexpr bool no_proxy_on_void_v = false;
+template <class>
+inline constexpr bool no_by_name_on_void_v = false;
+}  // namespace detail
+
+// RRef<void>: what remote() of a function returning void (or Future<void>) gives, like PyTorch's
+// RRef of None. The owner holds no object, only the outcome of the call: to_here() returns once
+// the function ran on the owner, or rethrows its exception with its type. Everything else (ids,
+// the creation future, sharing over RPC, the delete protocol) is that of an RRef of an empty
+// value, which is what it wraps. There is nothing to call methods on, so the proxies do not
+// compile, and there is no local constructor (an RRef<void> only comes from remote()).
+template <>
+class RRef<void> {
+ public:
+  using value_type = void;
+
+  RRef() = default;
+
+  bool valid() const noexcept { return r_.valid(); }
+  bool is_owner() const { return r_.is_owner(); }
+  WorkerInfo owner() const { return r_.owner(); }
+  std::string owner_name() const { return r_.owner_name(); }
+  bool confirmed_by_owner() const { return r_.confirmed_by_owner(); }
+  RRefId rref_id() const { return r_.rref_id(); }
+  ForkId fork_id() const { return r_.fork_id(); }
+  Future<void> get_future() const { return r_.get_future(); }
+  std::string str() const { return r_.str(); }
+
+  // Waits until the function ran on the owner; rethrows its exception. On the owner it waits
+  // locally; on a user it asks the owner (one Fetch of an empty value).
+  void to_here(std::chrono::milliseconds timeout = kUnsetRpcTimeout) const {
+    (void)r_.to_here(timeout);
+  }
+  // Owner only, as for any RRef (a user raises PyTorch's "can't call localValue() on user"
+  // text): waits until the function ran here and rethrows its exception; there is no value.
+  void local_value() const { (void)r_.local_value(); }
+
+  // "void", once the function ran (its exception otherwise).
+  Future<std::string> type_name_async() const { return r_.type_name_async(); }
+  std::string type_name(std::chrono::milliseconds timeout = kUnsetRpcTimeout) const {
+    return r_.type_name(timeout);
+  }
+
+  // No object, so no methods to call on it.
+  template <auto M, class... A>
+  void rpc_sync(A&&...) const {
+    static_assert(detail::no_proxy_on_void_v<M>,
+                  "distrpc::RRef<void>::rpc_sync<&T::m>: an RRef<void> (remote() of a function "
+                  "returning void) holds no object to call methods on; call to_here() to wait for "
+                  "the function, or make the function return the object");
+  }
+  template <auto M, class... A>
+  void rpc_async(A&&...) const {
+    static_assert(detail::no_proxy_on_void_v<M>,
+                  "distrpc::RRef<void>::rpc_async<&T::m>: an RRef<void> (remote() of a function "
+                  "returning void) holds no object to call methods on; call to_here() to wait for "
+                  "the function, or make the function return the object");
+  }
+  template <auto M, class... A>
+  void remote(A&&...) const {
+    static_assert(detail::no_proxy_on_void_v<M>,
+                  "distrpc::RRef<void>::remote<&T::m>: an RRef<void> (remote() of a function "
+                  "returning void) holds no object to call methods on; call to_here() to wait for "
+                  "the function, or make the function return the object");
+  }
+  template <class R, class... A>
+  void rpc_sync_by_name(const std::string&, A&&...) const {
+    static_assert(detail::no_by_name_on_void_v<R>,
+                  "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
+  }
+  template <class R, class... A>
+  void rpc_async_by_name(const std::string&, A&&...) const {
+    static_assert(detail::no_by_name_on_void_v<R>,
+                  "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
+  }
+  template <class R, class... A>
+  void remote_by_name(const std::string&, A&&...) const {
+    static_assert(detail::no_by_name_on_void_v<R>,
+                  "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
+  }
+
+  // Inside RPC messages only, like any RRef (the wire form is that of an RRef of an empty value).
+  template <class Archive>
+  void save(Archive& ar) const {
+    r_.save(ar);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    r_.load(ar);
+  }
+
+ private:
+  template <class R, class Packed>
+  friend RRef<R> detail::remote_packed(const std::shared_ptr<RpcAgent>&, const WorkerInfo&,
+                                       CallOptions, RequestHeader, const Packed&,
+                                       const std::string&);
+
+  explicit RRef(std::shared_ptr<detail::RRefImpl> impl) : r_(std::move(impl)) {}
+
+  RRef<detail::NoValue> r_;
+};
+
+namespace detail {
 
 // remote() with the request already packed: creates the RRef (owner or pending user), sends the
 // request, and ties the creation future to its reply.
@@ -358,9 +461,10 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
                       const std::string& what) {
   const auto timeout = agent->effective_timeout(opts.timeout);
   auto ctx = agent->rref_context();
+  const std::uint64_t type_hash = type_hash_of<rref_storage_t<R>>();
   std::shared_ptr<RRefImpl> impl = dst.id == agent->self().id
-                                       ? ctx->begin_remote_self(type_hash_of<R>())
-                                       : ctx->begin_remote_user(dst, type_hash_of<R>());
+                                       ? ctx->begin_remote_self(type_hash)
+                                       : ctx->begin_remote_user(dst, type_hash);
   header.mode = CallMode::remote;
   header.rref_id = impl->id;
   header.fork_id = impl->fork_id;
@@ -381,13 +485,12 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
 
 // Runs f(args...) on `to` and returns an RRef to its result, which `to` owns. The creation
 // future (rref.get_future()) fails if the request does not reach `to` within the timeout; the
-// value's own errors are raised by to_here(). A function returning Future<U> gives RRef<U>.
+// value's own errors are raised by to_here(). A function returning Future<U> gives RRef<U>; one
+// returning void (or Future<void>) gives RRef<void>, whose to_here() waits until f ran.
 template <auto F, class... A>
 RRef<detail::call_result_t<F>> remote(const Destination& to, CallOptions opts, A&&... args) {
   detail::check_call<F, A...>();
   using R = detail::call_result_t<F>;
-  static_assert(!std::is_void_v<R>,
-                "distrpc::remote<&f>: f returns void, so there is no value to own; use rpc_async");
   detail::ensure_registered<F>();
   auto agent = detail::current_agent();
   const WorkerInfo dst = to.resolve(*agent);

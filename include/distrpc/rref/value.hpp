@@ -29,15 +29,37 @@ inline constexpr bool wire_serializable_v =
     cereal::traits::is_output_serializable<T, wire::OutputArchive>::value&&
         cereal::traits::is_input_serializable<T, wire::InputArchive>::value;
 
+// What the owner of an RRef<void> holds (remote() of a function returning void): nothing but the
+// fact that the function ran. An empty serializable unit, so that every path of the protocol
+// (cells, fetches, type checks) treats it like any other value; it is spelled "void" to users.
+struct NoValue {
+  template <class Archive>
+  void serialize(Archive&) {}
+};
+
+// The type an RRef<R> keeps in the owner's cell.
+template <class R>
+using rref_storage_t = std::conditional_t<std::is_void_v<R>, NoValue, R>;
+
 template <class T>
 std::uint64_t type_hash_of() {
   return fnv1a(type_name<T>());
 }
 
+// The name users see for the type an RRef holds (type_name(), type mismatch errors).
+template <class T>
+std::string value_type_name() {
+  if constexpr (std::is_same_v<T, NoValue>) {
+    return "void";
+  } else {
+    return std::string(type_name<T>());
+  }
+}
+
 template <class T>
 const ValueOps* value_ops() {
   static const ValueOps ops{
-      std::string(type_name<T>()), type_hash_of<T>(), wire_serializable_v<T>,
+      value_type_name<T>(), type_hash_of<T>(), wire_serializable_v<T>,
       [](wire::Message& out, const void* value) {
         if constexpr (wire_serializable_v<T>) {
           wire::encode(out, *static_cast<const T*>(value));
