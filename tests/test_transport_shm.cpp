@@ -611,6 +611,15 @@ TEST_CASE("shm: a handed-back task runs on the reading thread without blocking r
   distrpc::testing::handed_back_task_scenario<Shm>();
 }
 
+// A caller waiting for a reply reads it itself (drive()); the scenario is shared with tcp.
+TEST_CASE("shm: drive() reads on the waiting thread, never runs a task there, and hands back") {
+  distrpc::testing::driven_reply_scenario<Shm>();
+}
+
+TEST_CASE("auto: drive() reaches the candidate that carries the message") {
+  distrpc::testing::driven_reply_scenario<AutoShmTcp>();
+}
+
 TEST_CASE("shm: an idle connected pair uses almost no CPU") {
   Node a(0), b(1);
   introduce(a, 0, b, 1);

@@ -672,3 +672,8 @@ TEST_CASE("tcp: shutdown with traffic in flight does not hang, and no callback f
 TEST_CASE("tcp: a handed-back task runs on the reading thread without blocking reading") {
   distrpc::testing::handed_back_task_scenario<Tcp>();
 }
+
+// A caller waiting for a reply reads it itself (drive()); the scenario is shared with shm.
+TEST_CASE("tcp: drive() reads on the waiting thread, never runs a task there, and hands back") {
+  distrpc::testing::driven_reply_scenario<Tcp>();
+}

@@ -93,6 +93,24 @@ class RpcAgent : public detail::RRefHost {
   const RpcBackendOptions& options() const { return options_; }
   virtual std::string transport_name() const = 0;
 
+  // Before a blocking entry point sleeps on `f`: polls it for up to sync_wait_spin, reading the
+  // transport itself meanwhile where the policy can (transport.hpp, drive()), so a small call's
+  // reply is picked up by the thread that waits for it instead of waking two more.
+  template <class F>
+  void poll_reply(const F& f) {
+    if (!f.done()) poll_for([&f] { return f.done(); });
+  }
+  void poll_for(const std::function<bool()>& done) {
+    const auto budget = options_.sync_wait_spin;
+    if (budget.count() <= 0 || done()) return;
+    transport_drive(done, std::chrono::steady_clock::now() + budget);
+  }
+  // Polls done() until `until`; a policy with drive() reads the transport meanwhile.
+  virtual void transport_drive(const std::function<bool()>& done,
+                               std::chrono::steady_clock::time_point until) {
+    detail::poll_until(done, until);
+  }
+
   WorkerInfo worker(const std::string& name) const {
     std::lock_guard<std::mutex> lk(group_mu_);
     auto it = by_name_.find(name);
@@ -167,16 +185,24 @@ class RpcAgent : public detail::RRefHost {
     const std::uint64_t id = next_id_.fetch_add(1) + 1;
     request.type = type;
     request.id = id;
+    bool wake_timer = false;
     {
       std::lock_guard<std::mutex> lk(calls_mu_);
       Pending p{to, fut, timeout, internal, what, deadlines_.end()};
       if (timeout.count() > 0) {
-        p.deadline = deadlines_.emplace(Clock::now() + timeout, id);
+        const auto at = Clock::now() + timeout;
+        p.deadline = deadlines_.emplace(at, id);
+        // Wake the timer only if it would sleep past this deadline: with one timeout for every
+        // call that is rare, not once per call (a futex wake-up and a context switch each).
+        if (at < timer_wakes_at_) {
+          timer_wakes_at_ = at;
+          wake_timer = true;
+        }
       }
       calls_.emplace(id, std::move(p));
       if (!internal) ++counters_.client_sent;
     }
-    if (timeout.count() > 0) timer_cv_.notify_one();
+    if (wake_timer) timer_cv_.notify_one();
     if (to.id == self_.id) {
       // A call to self skips the transport but keeps value semantics: the callee gets copies.
       detail_clone_buffers(request);
@@ -399,7 +425,7 @@ class RpcAgent : public detail::RRefHost {
     std::lock_guard<std::mutex> lk(calls_mu_);
     --counters_.protocol_pending;
   }
-  std::chrono::microseconds host_sync_wait_spin() const override { return options_.sync_wait_spin; }
+  void host_poll(const std::function<bool()>& done) override { poll_for(done); }
   detail::ExecutorFn host_user_executor() override {
     return [this](std::function<void()> fn) {
       if (!callback_pool_.post(std::move(fn))) {
@@ -777,11 +803,15 @@ class RpcAgent : public detail::RRefHost {
     std::unique_lock<std::mutex> lk(calls_mu_);
     while (!timer_stop_) {
       if (deadlines_.empty()) {
+        timer_wakes_at_ = Clock::time_point::max();
         timer_cv_.wait(lk, [&] { return timer_stop_ || !deadlines_.empty(); });
         continue;
       }
+      // Sleeps until the earliest deadline known now; a call that ends earlier leaves it as is
+      // (the wake-up then finds nothing due and sleeps on to the next one).
       const auto next = deadlines_.begin()->first;
       if (Clock::now() < next) {
+        timer_wakes_at_ = next;
         timer_cv_.wait_until(lk, next);
         continue;
       }
@@ -849,6 +879,8 @@ class RpcAgent : public detail::RRefHost {
   WorkCounters counters_;
   std::atomic<std::uint64_t> next_id_{0};
   std::condition_variable timer_cv_;
+  // When the timer thread wakes next (max: not before a notify); guarded by calls_mu_.
+  Clock::time_point timer_wakes_at_ = Clock::time_point::max();
   bool timer_stop_ = false;
 
   std::mutex gather_mu_;
@@ -882,6 +914,14 @@ class Agent final : public RpcAgent {
   }
 
   std::string transport_name() const override { return std::string(T::name); }
+  void transport_drive(const std::function<bool()>& done,
+                       std::chrono::steady_clock::time_point until) override {
+    if constexpr (transport::has_drive<typename T::Context>) {
+      ctx_.drive(done, until);
+    } else {
+      RpcAgent::transport_drive(done, until);
+    }
+  }
   typename T::Context& context() { return ctx_; }
 
  protected:

@@ -245,7 +245,7 @@ Future<detail::call_result_t<F>> rpc_async(const Destination& to, A&&... args) {
 template <auto F, class... A>
 detail::call_result_t<F> rpc_sync(const Destination& to, CallOptions opts, A&&... args) {
   auto f = rpc_async<F>(to, opts, std::forward<A>(args)...);
-  detail::poll_before_wait(f, detail::current_agent()->options().sync_wait_spin);
+  detail::current_agent()->poll_reply(f);
   if constexpr (std::is_void_v<detail::call_result_t<F>>) {
     f.value();
   } else {

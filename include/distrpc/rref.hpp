@@ -123,8 +123,12 @@ class RRef {
     throw_if_creation_failed();
     auto ctx = i.ctx.lock();
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
+    // A fetch that overtakes the remote() call finds no value yet and waits on the owner, where
+    // the call, no longer alone, went through the pool: wait briefly for the creation first, so
+    // both run as lone calls (two round trips and no hand-off).
+    ctx->poll_reply(i.created);
     auto reply = ctx->fetch(impl_, timeout);
-    detail::poll_before_wait(reply, ctx->sync_wait_spin());
+    ctx->poll_reply(reply);
     const wire::Message& m = reply.value();
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};

@@ -261,4 +261,103 @@ void handed_back_task_scenario() {
   CHECK(outside);                                     // and the task was not taken
 }
 
+// drive() (transport.hpp): a thread waiting for a message reads it itself while no other thread
+// does. Whatever it reads is delivered as usual, but a task on_message hands back is never run on
+// it (it goes to the fallback, once); drive() stops at its deadline; and afterwards the policy's
+// own threads read again. Which thread reads a given message is a race, so the test asks that the
+// driving thread read some of 200 lone messages, and checks the rules on every one it read.
+template <class P>
+void driven_reply_scenario() {
+  using Clock = std::chrono::steady_clock;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::uint64_t, std::thread::id> read_on;
+  std::map<std::uint64_t, std::thread::id> ran_on;
+  std::vector<std::uint64_t> queued_ids;
+  std::vector<std::function<void()>> queued;
+
+  transport::TransportCallbacks cb;
+  cb.on_message = [&](int, wire::Message&& m) {
+    const std::uint64_t id = m.id;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      read_on[id] = std::this_thread::get_id();
+    }
+    cv.notify_all();
+    if (m.type != wire::MessageType::Request) return;
+    std::function<void()> task = [&, id] {
+      std::lock_guard<std::mutex> lk(mu);
+      ran_on[id] = std::this_thread::get_id();
+      cv.notify_all();
+    };
+    const std::function<bool(std::function<void()>)> fallback = [&, id](std::function<void()> t) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        queued.push_back(std::move(t));
+        queued_ids.push_back(id);
+      }
+      cv.notify_all();
+      return true;
+    };
+    if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  NodeOf<P> a(0);
+  auto b = std::make_unique<typename P::Context>(options_for(1), cb);
+  a.ctx->add_peer(1, "w1", b->address());
+  b->add_peer(0, "w0", a.ctx->address());
+  auto delivered = [&](std::uint64_t id) {
+    std::lock_guard<std::mutex> lk(mu);
+    return read_on.count(id) == 1;
+  };
+
+  // 1. Lone messages, each awaited with drive() the way a caller awaits its reply; every third
+  //    is a request whose task the receiver offers to run inline.
+  const auto me = std::this_thread::get_id();
+  int read_here = 0;
+  for (std::uint64_t id = 1; id <= 200; ++id) {
+    const auto type = id % 3 == 0 ? wire::MessageType::Request : wire::MessageType::Response;
+    a.ctx->send(1, make_message(type, id, "m" + std::to_string(id)));
+    b->drive([&] { return delivered(id); }, Clock::now() + 2ms);
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return read_on.count(id) == 1; }));
+    if (read_on[id] == me) ++read_here;
+  }
+  CHECK(read_here > 0);
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    // Every request's task ran once or was queued once, and none ran on the driving thread.
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return ran_on.size() + queued_ids.size() == 66; }));
+    for (const auto& [id, t] : ran_on) CHECK(t != me);
+    std::set<std::uint64_t> seen(queued_ids.begin(), queued_ids.end());
+    CHECK(seen.size() == queued_ids.size());
+    for (const auto& [id, t] : ran_on) CHECK(seen.count(id) == 0);
+    for (const auto& [id, t] : read_on) {
+      if (t == me && id % 3 == 0) CHECK(seen.count(id) == 1);
+    }
+  }
+  // 2. With nothing to read, drive() returns at its deadline (and at once when done() holds).
+  auto t0 = Clock::now();
+  b->drive([] { return false; }, Clock::now() + 20ms);
+  const auto waited = Clock::now() - t0;
+  CHECK(waited >= 20ms);
+  CHECK(waited < 1s);
+  t0 = Clock::now();
+  b->drive([] { return true; }, Clock::now() + 10s);
+  CHECK(Clock::now() - t0 < 1s);
+  // 3. No caller drives any more: the policy's threads read again, also after they went idle.
+  for (std::uint64_t id = 201; id <= 220; ++id) {
+    a.ctx->send(1, make_message(wire::MessageType::Response, id, "later"));
+    if (id % 5 == 0) std::this_thread::sleep_for(2ms);
+  }
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    CHECK(cv.wait_for(lk, 10s, [&] { return read_on.size() == 220; }));
+    for (std::uint64_t id = 201; id <= 220; ++id) CHECK(read_on[id] != me);
+  }
+  b->shutdown();
+  a.ctx->shutdown();
+  for (auto& t : queued) t();
+}
+
 }  // namespace distrpc::testing

@@ -390,8 +390,7 @@ class RemoteModule
   // forward(): as rpc_sync, poll for the reply briefly before sleeping (sync_wait_spin).
   result_type call_sync(args_tuple&& args) const {
     auto f = call(std::move(args));
-    ::distrpc::detail::poll_before_wait(
-        f, ::distrpc::detail::current_agent()->options().sync_wait_spin);
+    ::distrpc::detail::current_agent()->poll_reply(f);
     if constexpr (std::is_void_v<result_type>) {
       f.value();
     } else {

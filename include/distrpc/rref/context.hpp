@@ -42,6 +42,7 @@
 #include "distrpc/rref/id.hpp"
 #include "distrpc/rref/scope.hpp"
 #include "distrpc/rref/value.hpp"
+#include "distrpc/transport/transport.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/worker_info.hpp"
 
@@ -107,8 +108,8 @@ class RRefHost {
   virtual void host_protocol_end() = 0;
   // Where user callbacks of futures handed to the user run.
   virtual ExecutorFn host_user_executor() = 0;
-  // How long blocking calls poll for a reply before sleeping (RpcBackendOptions::sync_wait_spin).
-  virtual std::chrono::microseconds host_sync_wait_spin() const = 0;
+  // Polls done() before a blocking call sleeps (RpcBackendOptions::sync_wait_spin).
+  virtual void host_poll(const std::function<bool()>& done) = 0;
 
  protected:
   virtual ~RRefHost() = default;
@@ -509,7 +510,10 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
 
   // ---- user operations -------------------------------------------------------------------------
 
-  std::chrono::microseconds sync_wait_spin() const { return host_.host_sync_wait_spin(); }
+  template <class F>
+  void poll_reply(const F& f) {
+    if (!f.done()) host_.host_poll([&f] { return f.done(); });
+  }
 
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     wire::Message m;
@@ -835,7 +839,6 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     ++pending_futures_;
     host_.host_protocol_begin();
     auto me = shared_from_this();
-    auto msg = std::make_shared<wire::Message>(std::move(m));
     auto finish = [me, on_done](const Future<wire::Message>& r) {
       if (r.has_error()) {
         std::fprintf(stderr, "distrpc: %s: %s\n", me->self().name.c_str(),
@@ -844,6 +847,17 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       on_done(r);
       if (--me->pending_futures_ == 0) me->cv_.notify_all();
     };
+    if (!transport::on_transport_thread()) {
+      // A user or pool thread (an RRef dropped in user code): send from here. Waking a pool
+      // thread to do it cost more than the message itself.
+      auto fut = host_.host_control_call(to, rref_message_type(kind), std::move(m),
+                                         host_.host_timeout(kUnsetRpcTimeout),
+                                         std::string(rref_control_name(kind)));
+      host_.host_protocol_end();
+      fut.add_done_callback(finish);
+      return;
+    }
+    auto msg = std::make_shared<wire::Message>(std::move(m));
     const bool posted = host_.host_post([me, to, kind, msg, finish] {
       auto fut = me->host_.host_control_call(to, rref_message_type(kind), std::move(*msg),
                                              me->host_.host_timeout(kUnsetRpcTimeout),

@@ -14,8 +14,11 @@
 // the value becomes the worker id, so "host-{id}" makes every worker look like its own host.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cctype>
+#include <chrono>
+#include <functional>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -23,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -268,11 +272,30 @@ struct Auto {
       std::apply([](auto&... c) { (shutdown_one(c), ...); }, contexts_);
     }
 
+    // Lets each candidate that can read on the calling thread do so, in turns of a few
+    // microseconds (transport.hpp): the reply may come through any of them.
+    void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+      while (!done() && std::chrono::steady_clock::now() < until) {
+        std::apply([&](auto&... c) { (drive_one(c, done, until), ...); }, contexts_);
+      }
+    }
+
    private:
     template <class C>
     static void shutdown_one(std::unique_ptr<C>& c) {
       if (c) c->shutdown();
     }
+    template <class C>
+    static void drive_one(std::unique_ptr<C>& c, const std::function<bool()>& done,
+                          std::chrono::steady_clock::time_point until) {
+      if (!c || done()) return;
+      if constexpr (has_drive<C>) {
+        c->drive(done, std::min(until, std::chrono::steady_clock::now() + kDriveSlice));
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    static constexpr auto kDriveSlice = std::chrono::microseconds(20);
 
     int chosen(int peer) const {
       std::lock_guard<std::mutex> lk(state_->mu);

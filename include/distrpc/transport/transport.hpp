@@ -58,7 +58,16 @@ struct InlineTask {
 
 namespace detail {
 inline thread_local InlineTask* inline_slot = nullptr;  // the scope open on this thread, if any
+inline thread_local bool transport_thread = false;      // see mark_transport_thread()
 }  // namespace detail
+
+// A policy marks its own threads (readers, listeners) at their start. Library code that may
+// block on the network (a send waiting for back-pressure) must not run on them, nor inside their
+// callbacks: it queues its work instead (on_transport_thread()).
+inline void mark_transport_thread() { detail::transport_thread = true; }
+inline bool on_transport_thread() {
+  return detail::transport_thread || detail::inline_slot != nullptr;
+}
 
 // Receiver side, inside on_message: true when the task was taken (the transport will run or
 // queue it); false when no scope is open here or it already holds a task.
@@ -126,6 +135,14 @@ class InlineScope {
 //                                                back-pressure; throws DistNetworkError when the
 //                                                peer cannot be reached (naming it)
 //     void shutdown();                           idempotent; joins threads; no callbacks after
+//     void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
+//                                                optional: reads on the calling thread, never
+//                                                sleeping in the kernel, until done() or `until`.
+//                                                A thread waiting for a reply calls it while it
+//                                                polls (sync_wait_spin), so the reply wakes no
+//                                                other thread. It must never run a handler there:
+//                                                requests it reads are queued. Where another
+//                                                thread is reading, it may just yield.
 //   };
 template <class P>
 concept Transport =
@@ -169,6 +186,11 @@ concept context_has_send = requires(C& c, int id, wire::Message&& m) { c.send(id
 template <class C>
 concept context_has_shutdown = requires(C& c) { c.shutdown(); };
 }  // namespace detail
+
+// The optional member above: the agent calls it only where the policy has it.
+template <class C>
+concept has_drive = requires(C& c, const std::function<bool()>& done,
+                             std::chrono::steady_clock::time_point until) { c.drive(done, until); };
 
 // Instantiated by Agent<P>: one readable message per missing member instead of a concept dump.
 template <class P>

@@ -15,9 +15,10 @@
 // incoming ring, watches every socket and runs the callbacks; it spins (yielding the CPU) for a
 // short while after activity and then sleeps on an eventfd, so an idle agent uses no CPU. A writer
 // signals the eventfd only when the reader said it was going to sleep (ring.hpp). When on_message
-// hands a task back (transport.hpp, InlineScope) and the rings are empty, the leader passes the
-// lead to the other thread, which is parked on a mutex, and runs the task itself: a small request
-// then runs without waking a pool thread, and reading never waits for it.
+// hands a task back (transport.hpp, InlineScope) and the rings are empty, the leader lets go of
+// the lead and runs the task itself: a small request then runs without waking a pool thread, and
+// a record that comes meanwhile wakes the other thread to read it. A caller waiting for a reply
+// may read it itself (drive()). Details at io_main.
 #pragma once
 
 #include <pthread.h>
@@ -40,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -452,6 +454,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   template <class Fn>
   void run_thread(Fn fn, const char* thread_name) {
     ::pthread_setname_np(::pthread_self(), thread_name);
+    mark_transport_thread();
     for (;;) {
       try {
         (this->*fn)();
@@ -984,29 +987,47 @@ class Impl : public std::enable_shared_from_this<Impl> {
     std::shared_ptr<OutConn> out;
   };
 
-  // One I/O thread: waits for the lead, reads as the leader until a task is handed back, passes
-  // the lead on and runs the task, then queues up for the lead again. The members only the
-  // reader touches (ins_, watched_, ...) pass between the threads with lead_mu_.
+  // ---- who reads: the I/O threads, and callers waiting for a reply ----------------------------
+  // One reader at a time holds lead_mu_: the rings are single-consumer, and ins_, watched_, ...
+  // belong to the reader. The lead is taken with try_lock and given up without waking anybody,
+  // under one invariant: whenever nobody holds it, every ring is declared sleeping (ring.hpp),
+  // so the next record makes its writer signal wake_efd_, which wakes an idle I/O thread. So:
+  // - a reader with nothing to read for spin_us_ declares the rings sleeping, looks once more,
+  //   lets go of the lead and sleeps in epoll_wait (idle_wait) without handling anything there;
+  // - a reader handed a task by on_message (a lone request) does the same and runs the task:
+  //   reading resumes through the signal only if a record comes meanwhile, and otherwise no
+  //   thread is woken at all (an eager hand-over to a parked thread cost one per call);
+  // - a caller waiting for a reply (drive()) takes the lead while it is free and reads its reply
+  //   itself; a leader that sees a caller wanting it and has nothing to read lets go at once.
+  // A thread woken from idle_wait that finds the lead taken blocks on lead_mu_ instead of
+  // waiting again: what woke it stays readable (level-triggered), and the holder, which may have
+  // looked at the rings just before the signal, wakes it when it lets go.
+
+  // One I/O thread.
   void io_main() {
     std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
+    bool woken = false;  // back from idle_wait: if the lead is taken, wait for it
     for (;;) {
-      waiting_for_lead_.fetch_add(1);
-      lead.lock();
-      waiting_for_lead_.fetch_sub(1);
-      InlineTask task;
-      while (!stopping_.load()) {
-        task = io_loop();
-        // Run it here only if the other thread is parked, ready to read meanwhile; if it is busy
-        // with a task of its own, this one goes to the receiver's pool and this thread reads on.
-        if (!task.run || waiting_for_lead_.load() > 0) break;
-        queue(std::move(task));
-        task = InlineTask{};
+      if (stopping_.load()) return;
+      if (!lead.try_lock()) {
+        if (!woken) {
+          idle_wait();
+          woken = true;
+          continue;
+        }
+        lead.lock();
       }
+      woken = false;
+      InlineTask task = io_loop();  // returns with every ring declared sleeping
       lead.unlock();
-      if (!task.run) return;  // stopping
       if (stopping_.load()) {
         queue(std::move(task));
         return;
+      }
+      if (!task.run) {
+        idle_wait();
+        woken = true;
+        continue;
       }
       try {
         task.run();
@@ -1014,7 +1035,18 @@ class Impl : public std::enable_shared_from_this<Impl> {
         std::fprintf(stderr, "distrpc shm: %s: a handed-back task threw: %s\n", self_text().c_str(),
                      e.what());
       }
+      running_task_.store(false);
     }
+  }
+
+  // Sleeps until a writer's signal, a socket event or shutdown. Handles nothing: the thread that
+  // takes the lead next sees the same (level-triggered) events in poll_sockets().
+  void idle_wait() {
+    std::array<epoll_event, 8> evs;
+    int n;
+    do {
+      n = ::epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
+    } while (n < 0 && errno == EINTR && !stopping_.load());
   }
 
   static void queue(InlineTask t) {
@@ -1026,52 +1058,101 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
-  // The leader's loop: returns a task on_message handed back (when the rings are empty), or an
-  // empty one when stopping.
+  // Declares every ring sleeping, then looks once more (ring.hpp): true when something came in
+  // meanwhile, and then the rings are awake again. With the lead held.
+  bool sleep_rings_or_ready() {
+    for (auto& c : ins_) c->reader.declare_sleeping();
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    bool ready = changes_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < ins_.size() && !ready; ++i) {
+      try {
+        ready = ins_[i]->reader.available() > 0;
+      } catch (const RingCorrupt&) {
+        ready = true;  // service() reports it
+      }
+    }
+    if (ready) wake_rings();
+    return ready;
+  }
+  void wake_rings() {
+    for (auto& c : ins_) c->reader.clear_sleeping();
+  }
+
+  // Reads every ring once (with the lead held); true if anything came.
+  bool service_all(InlineScope& scope) {
+    if (changes_.load(std::memory_order_acquire)) apply_changes();
+    bool progress = false;
+    for (std::size_t i = 0; i < ins_.size(); ++i) {
+      std::shared_ptr<InConn> c = ins_[i];  // a copy: service() may remove it from ins_
+      progress |= service(c, scope);
+    }
+    return progress;
+  }
+
+  // The leader's loop (lead held): returns a task on_message handed back, to run once the lead
+  // is let go, or an empty one when idle or stopping; either way with the rings declared
+  // sleeping.
   InlineTask io_loop() {
+    wake_rings();
     auto last_activity = Clock::now();
     auto last_socket_poll = Clock::now();
+    poll_sockets(0);  // what may have woken this thread
     const auto spin = std::chrono::microseconds(spin_us_);
     while (!stopping_.load(std::memory_order_relaxed)) {
       InlineScope scope;
-      if (changes_.load(std::memory_order_acquire)) apply_changes();
-      bool progress = false;
-      for (std::size_t i = 0; i < ins_.size(); ++i) {
-        std::shared_ptr<InConn> c = ins_[i];  // a copy: service() may remove it from ins_
-        progress |= service(c, scope);
-      }
+      const bool progress = service_all(scope);
       auto now = Clock::now();
       if (now - last_socket_poll >= kSocketPollPeriod) {
         poll_sockets(0);
         last_socket_poll = now;
       }
-      if (scope.holds_task()) return scope.take();
+      if (scope.holds_task()) {
+        // Run it on this thread unless the other one is running a task already (then it goes
+        // to the receiver's pool and this thread reads on). A record that came meanwhile means
+        // a stream: the next service() queues the task and reading goes on.
+        if (running_task_.load() || sleep_rings_or_ready()) continue;
+        running_task_.store(true);
+        return scope.take();
+      }
       if (progress) {
         last_activity = now;
         continue;
       }
-      if (now - last_activity < spin) {
+      // Idle: past the spin, or at once when a waiting caller wants to read its reply itself.
+      if (now - last_activity < spin && !lead_wanted_.exchange(false)) {
         ::sched_yield();
         continue;
       }
-      // Going to sleep: declare it on every ring, then look once more (see ring.hpp).
-      for (auto& c : ins_) c->reader.declare_sleeping();
-      std::atomic_thread_fence(std::memory_order_seq_cst);
-      bool ready = changes_.load(std::memory_order_acquire);
-      for (std::size_t i = 0; i < ins_.size() && !ready; ++i) {
-        try {
-          ready = ins_[i]->reader.available() > 0;
-        } catch (const RingCorrupt&) {
-          ready = true;  // service() reports it
-        }
-      }
-      if (!ready) poll_sockets(-1);
-      for (auto& c : ins_) c->reader.clear_sleeping();
-      last_activity = last_socket_poll = Clock::now();
+      if (!sleep_rings_or_ready()) return {};
+      last_activity = now;
     }
+    sleep_rings_or_ready();
     return {};
   }
 
+ public:
+  // A caller waiting for a reply reads it itself while the lead is free (see above): then no I/O
+  // thread wakes for it, and with two cores shared by two processes the spinning threads are
+  // the two that matter. Requests read here go to the receiver's pool.
+  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+    std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
+    while (!done() && !stopping_.load(std::memory_order_relaxed) && Clock::now() < until) {
+      if (!lead.owns_lock()) {
+        if (!lead.try_lock()) {
+          lead_wanted_.store(true, std::memory_order_relaxed);
+          ::sched_yield();
+          continue;
+        }
+        wake_rings();  // while this thread reads, writers need not signal
+      }
+      InlineScope scope;  // a request read here is queued when the scope closes
+      if (!service_all(scope)) ::sched_yield();
+    }
+    // Hand the lead back as found; a record that came meanwhile wakes an I/O thread for it.
+    if (lead.owns_lock() && sleep_rings_or_ready()) signal_eventfd(wake_efd_.get());
+  }
+
+ private:
   void apply_changes() {
     std::vector<std::shared_ptr<InConn>> ins;
     std::vector<std::shared_ptr<OutConn>> outs;
@@ -1472,8 +1553,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
   bool shut_down_ = false;
   std::thread listen_thread_;
   std::array<std::thread, 2> io_threads_;  // leader and follower, by turns
-  std::mutex lead_mu_;                     // held by the leader: the one thread that reads
-  std::atomic<int> waiting_for_lead_{0};   // threads parked on lead_mu_, ready to take over
+  std::mutex lead_mu_;                     // held by the one thread that reads (see io_main)
+  std::atomic<bool> running_task_{false};  // an I/O thread runs a handed-back task
+  std::atomic<bool> lead_wanted_{false};   // a caller in drive() waits for the lead
 };
 
 }  // namespace shm_detail
@@ -1508,6 +1590,12 @@ class Shm::Context {
   // Idempotent: closes every connection, joins the threads; no callback runs after it returns
   // (except the one it is called from, if any).
   void shutdown() { impl_->shutdown(); }
+
+  // Reads on the calling thread while no other thread does, until done() or `until`
+  // (transport.hpp).
+  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+    impl_->drive(done, until);
+  }
 
  private:
   std::shared_ptr<shm_detail::Impl> impl_;
