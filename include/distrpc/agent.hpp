@@ -62,7 +62,9 @@ struct WorkCounters {
   }
 };
 
-class RpcAgent : public detail::RRefHost {
+// Shared-owned (init_rpc makes it with make_shared): a stop that abandons threads still running
+// user code keeps the agent alive through its own shared_ptr (stop(), keep_alive_forever()).
+class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<RpcAgent> {
  public:
   RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
       : self_(std::move(self)),
@@ -76,14 +78,7 @@ class RpcAgent : public detail::RRefHost {
         rref_ctx_(std::make_shared<RRefContext>(*this)),
         timer_([this] { run_timer(); }) {}
 
-  ~RpcAgent() override {
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      timer_stop_ = true;
-    }
-    timer_cv_.notify_all();
-    if (timer_.joinable()) timer_.join();
-  }
+  ~RpcAgent() override { stop_timer(); }
   RpcAgent(const RpcAgent&) = delete;
   RpcAgent& operator=(const RpcAgent&) = delete;
 
@@ -520,27 +515,51 @@ class RpcAgent : public detail::RRefHost {
 
   // Local stop: with `sync_exit`, first a store barrier so no worker closes its transport while
   // another still talks to it, and the rank hosting the store server leaves last. Then the
-  // transport stops, pending calls fail, and the pools drain and join. Never waits forever.
-  void stop(bool sync_exit, milliseconds barrier_timeout) {
+  // transport stops, pending calls fail, and the pools drain and join. Never waits forever: the
+  // threads are joined until one deadline, `timeout` from the start of the local part when it is
+  // positive, else options().shutdown_grace; a thread still inside user code then (a handler that
+  // never returns, on a pool or on a transport reading thread) is abandoned, and this agent is
+  // kept alive for good for it (keep_alive_forever()). Without `sync_exit`, requests queued but
+  // not started are dropped: their callers fail through peer loss or their timeout.
+  void stop(bool sync_exit, milliseconds timeout) {
     if (stopped_.exchange(true)) return;
     // No RRef protocol message is sent from now on; user RRefs still alive are dead.
     rref_ctx_->close();
     std::exception_ptr barrier_error;
     if (sync_exit && store_) {
       try {
-        exit_barrier(barrier_timeout);
+        exit_barrier(timeout);
       } catch (...) {
         barrier_error = std::current_exception();
       }
     }
+    // Only an agent someone owns can outlive this call; one already being destroyed (no owner
+    // left) waits without bound rather than leave threads behind that would use freed memory.
+    auto owned = weak_from_this().lock();
+    const milliseconds grace = timeout.count() > 0 ? timeout : options_.shutdown_grace;
+    const auto deadline = owned ? Clock::now() + grace : Clock::time_point::max();
+    // No request starts from now on (without sync_exit, queued ones are dropped); offers from the
+    // transport meet a refusal and drop theirs too.
+    request_pool_.close(/*drop_queued=*/!sync_exit);
     // Pending calls fail before the transport stops too: a request running on a reading thread
     // (leader/follower) may wait on one of them, and the transport joins that thread. And after,
     // for a call that raced past the `stopped_` check.
     fail_pending_calls();
-    transport_shutdown();
+    const std::size_t on_readers = transport_shutdown(deadline);
     fail_pending_calls();
-    request_pool_.shutdown();
-    callback_pool_.shutdown();
+    const std::size_t on_requests = request_pool_.shutdown(deadline, /*drop_queued=*/!sync_exit);
+    // Callbacks still queued run (they complete futures users may wait on), within the bound.
+    const std::size_t on_callbacks = callback_pool_.shutdown(deadline);
+    stop_timer();
+    if (const std::size_t n = on_readers + on_requests + on_callbacks; n > 0) {
+      std::fprintf(stderr,
+                   "distrpc: %s: shutdown abandoned %zu thread(s) still running user code after "
+                   "%lld ms (%zu request handler(s) on the request pool, %zu on transport reading "
+                   "threads, %zu callback(s)); they are detached and this agent stays in memory\n",
+                   self_.name.c_str(), n, static_cast<long long>(grace.count()), on_requests,
+                   on_readers, on_callbacks);
+      keep_alive_forever(std::move(owned));
+    }
     if (sync_exit && store_) {
       try {
         leave_store();
@@ -555,12 +574,40 @@ class RpcAgent : public detail::RRefHost {
   bool stopped() const { return stopped_.load(); }
 
  protected:
+  using Clock = std::chrono::steady_clock;
+
   virtual void transport_send(int peer, wire::Message&& m) = 0;
   virtual std::string transport_address() const = 0;
   virtual void transport_add_peer(int id, const std::string& name, const std::string& address) = 0;
-  virtual void transport_shutdown() = 0;
+  // Stops the transport, waiting for a reading thread that runs a handed-back request no later
+  // than `deadline`; returns how many such threads it abandoned (transport::shutdown_until()).
+  virtual std::size_t transport_shutdown(Clock::time_point deadline) = 0;
 
  private:
+  // An abandoned thread returns from its handler whenever it does, and then still uses this
+  // agent: it encodes and sends the reply (through the transport context the agent owns, whose
+  // send fails quietly after stop), updates the counters, finishes its pool loop. Tasks capture
+  // the agent by raw pointer (`this`), so the agent must never be freed: agents that abandoned a
+  // thread are kept here for the life of the process. The list itself is never destroyed (a heap
+  // object), so no exit-time destructor races with such a thread either. One agent per
+  // non-graceful shutdown that met a stuck handler: a bounded, deliberate leak.
+  static void keep_alive_forever(std::shared_ptr<RpcAgent> agent) {
+    if (!agent) return;
+    static auto* mu = new std::mutex;
+    static auto* kept = new std::vector<std::shared_ptr<RpcAgent>>;
+    std::lock_guard<std::mutex> lk(*mu);
+    kept->push_back(std::move(agent));
+  }
+
+  void stop_timer() {
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      timer_stop_ = true;
+    }
+    timer_cv_.notify_all();
+    if (timer_.joinable()) timer_.join();
+  }
+
   // Fails every call still waiting for a reply (local stop).
   void fail_pending_calls() {
     std::vector<std::uint64_t> ids;
@@ -573,8 +620,6 @@ class RpcAgent : public detail::RRefHost {
                         RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
     }
   }
-
-  using Clock = std::chrono::steady_clock;
 
   struct Pending {
     WorkerInfo to;
@@ -793,7 +838,9 @@ class RpcAgent : public detail::RRefHost {
     try {
       transport_send(peer, std::move(out));
     } catch (const std::exception& e) {
-      // The caller learns of it through peer loss or its timeout; nothing else to do here.
+      // The caller learns of it through peer loss or its timeout; nothing else to do here. After
+      // stop (a handler abandoned by shutdown returned at last) that is expected: no message.
+      if (stopped_.load()) return;
       std::fprintf(stderr, "distrpc: %s: could not send a reply to worker %d: %s\n",
                    self_.name.c_str(), peer, e.what());
     }
@@ -930,7 +977,9 @@ class Agent final : public RpcAgent {
   void transport_add_peer(int id, const std::string& name, const std::string& address) override {
     ctx_.add_peer(id, name, address);
   }
-  void transport_shutdown() override { ctx_.shutdown(); }
+  std::size_t transport_shutdown(Clock::time_point deadline) override {
+    return transport::shutdown_until(ctx_, deadline);
+  }
 
  private:
   transport::TransportOptions make_options() const {

@@ -5,6 +5,8 @@
 #include <map>
 #include <string>
 
+#include "distrpc/bounded_thread.hpp"
+
 namespace distrpc {
 
 // Passing this as a per-call timeout means "use the agent's default, read when the call is made".
@@ -34,6 +36,11 @@ struct RpcBackendOptions {
   // sleeps. A small call's reply comes back within microseconds, and a sleeping thread's wake-up is
   // then the largest single cost; 0 always sleeps at once (docs/threading.md).
   std::chrono::microseconds sync_wait_spin{50};
+  // How long a local stop (shutdown, also after a graceful join) waits for handlers and callbacks
+  // still running when shutdown() was given no timeout (a positive timeout replaces it). Threads
+  // still inside user code after that are abandoned (detached), so shutdown never hangs on a
+  // handler that never returns; 0 abandons them at once (docs/threading.md, "Bounded shutdown").
+  std::chrono::milliseconds shutdown_grace = kDefaultShutdownGrace;
   // device_maps[worker][src] = dst, for CUDA tensors (see docs/rpc.md).
   std::map<std::string, std::map<std::string, std::string>> device_maps;
 };

@@ -68,6 +68,16 @@ struct Runtime {
   std::mutex mu;
   std::shared_ptr<RpcAgent> agent;
   bool was_shut_down = false;
+  // At exit without shutdown(): stop while the agent is still owned here, so a stop that
+  // abandons a blocked handler can keep the agent alive for it (RpcAgent::stop()).
+  ~Runtime() {
+    if (!agent) return;
+    try {
+      agent->stop(/*sync_exit=*/false, kNoRpcTimeout);
+    } catch (...) {
+      // stop(false) does no store work; nothing to report at exit.
+    }
+  }
 };
 
 inline Runtime& runtime() {
@@ -208,6 +218,10 @@ void init_rpc(const std::string& name, int rank, int world_size,
   if (options.sync_wait_spin.count() < 0) {
     throw std::invalid_argument("sync_wait_spin must be >= 0 us (0: never poll), got " +
                                 std::to_string(options.sync_wait_spin.count()) + " us");
+  }
+  if (options.shutdown_grace.count() < 0) {
+    throw std::invalid_argument("shutdown_grace must be >= 0 ms (0: abandon at once), got " +
+                                std::to_string(options.shutdown_grace.count()) + " ms");
   }
   auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
   auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size, options);
@@ -506,6 +520,11 @@ inline std::atomic<bool>& rref_purge_enabled() {
 // caller and the local stop still runs. Not graceful: local stop only, never waits on peers.
 // Leaked RRefs (forks still recorded on an owner) fail a graceful shutdown with "Leaking RRef"
 // unless set_ignore_rref_leak(true).
+// Bounded: the local stop waits for handlers and callbacks still running up to `timeout` when it
+// is positive, else up to RpcBackendOptions::shutdown_grace (2 s by default); threads still in
+// user code then are abandoned (detached, named on stderr), and queued requests that never started
+// are dropped (not graceful). A graceful shutdown reaches its local stop with every call finished,
+// so the bound changes nothing there.
 inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = kNoRpcTimeout) {
   auto agent = detail::current_agent();
   std::exception_ptr error;

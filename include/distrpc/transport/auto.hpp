@@ -18,6 +18,7 @@
 #include <array>
 #include <cctype>
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <cstdlib>
 #include <map>
@@ -31,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/transport/transport.hpp"
 
@@ -267,10 +269,16 @@ struct Auto {
       return std::get<std::unique_ptr<typename P::Context>>(contexts_).get();
     }
 
-    // Shuts every candidate down (each is idempotent and joins its threads).
-    void shutdown() {
-      std::apply([](auto&... c) { (shutdown_one(c), ...); }, contexts_);
+    // Shuts every candidate down (each is idempotent and joins its threads), waiting for threads
+    // that run a handed-back task no later than `deadline` (one deadline for all candidates, so
+    // the bound does not add up); returns how many such threads the candidates abandoned.
+    std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
+      return std::apply(
+          [&](auto&... c) { return (std::size_t{0} + ... + shutdown_one(c, deadline)); },
+          contexts_);
     }
+    // As above, with the default bound (kDefaultShutdownGrace).
+    void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
     // Lets each candidate that can read on the calling thread do so, in turns of a few
     // microseconds (transport.hpp): the reply may come through any of them.
@@ -282,8 +290,9 @@ struct Auto {
 
    private:
     template <class C>
-    static void shutdown_one(std::unique_ptr<C>& c) {
-      if (c) c->shutdown();
+    static std::size_t shutdown_one(std::unique_ptr<C>& c,
+                                    std::chrono::steady_clock::time_point deadline) {
+      return c ? shutdown_until(*c, deadline) : 0;
     }
     template <class C>
     static void drive_one(std::unique_ptr<C>& c, const std::function<bool()>& done,

@@ -9,12 +9,15 @@
 
 #include <chrono>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
+#include "distrpc/bounded_thread.hpp"
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/message.hpp"
 
@@ -144,6 +147,11 @@ class InlineScope {
 //                                                requests it reads are queued. Where another
 //                                                thread is reading, it may just yield.
 //   };
+// Optional, for a policy whose threads may run a handed-back task (InlineScope):
+//     std::size_t shutdown(std::chrono::steady_clock::time_point deadline);
+//       like shutdown(), but a thread still running a handed-back task at `deadline` is detached
+//       instead of joined (abandoned: it owns what it needs and exits when the task returns);
+//       returns how many were. The agent calls it through shutdown_until() below.
 template <class P>
 concept Transport =
     requires {
@@ -160,7 +168,60 @@ concept Transport =
       ctx.shutdown();
     };
 
+// A Context with the optional bounded shutdown (above).
+template <class C>
+concept has_bounded_shutdown = requires(C& c, std::chrono::steady_clock::time_point deadline) {
+  { c.shutdown(deadline) } -> std::convertible_to<std::size_t>;
+};
+
+// Shuts `ctx` down, waiting for threads that run handed-back tasks no later than `deadline` when
+// the policy supports that (returns how many it abandoned), else with its plain shutdown().
+template <class C>
+std::size_t shutdown_until(C& ctx, std::chrono::steady_clock::time_point deadline) {
+  if constexpr (has_bounded_shutdown<C>) {
+    return ctx.shutdown(deadline);
+  } else {
+    ctx.shutdown();
+    return 0;
+  }
+}
+
 namespace detail {
+
+// What a policy's shutdown does with its threads once they were told to stop (Tcp, Shm). The
+// listener runs no user code and is joined. The readers may be running a handed-back task, so
+// they are joined until `deadline` only (BoundedThread::join_until); one still inside user code
+// then is detached and counted in `abandoned`. The calling thread may be one of them (a callback
+// shutting its own transport down): it cannot join itself, so it is detached (`on_own_thread`)
+// and exits when it returns to its stopped loop, owning what it needs.
+struct StoppedThreads {
+  std::size_t abandoned = 0;
+  bool on_own_thread = false;  // the caller is one of the readers
+};
+template <class Readers>
+StoppedThreads stop_threads(std::thread& listener, Readers& readers,
+                            std::chrono::steady_clock::time_point deadline) {
+  const auto me = std::this_thread::get_id();
+  if (listener.joinable()) {
+    if (listener.get_id() == me) {
+      listener.detach();
+    } else {
+      listener.join();
+    }
+  }
+  StoppedThreads out;
+  for (auto& t : readers) {
+    if (!t.joinable()) continue;
+    if (t.get_id() == me) {
+      t.detach();
+      out.on_own_thread = true;
+    } else if (!t.join_until(deadline)) {
+      ++out.abandoned;
+    }
+  }
+  return out;
+}
+
 template <class P>
 concept has_context = requires { typename P::Context; };
 template <class P>

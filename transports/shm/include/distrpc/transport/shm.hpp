@@ -55,6 +55,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/transport/shm/ring.hpp"
 #include "distrpc/transport/shm/segment.hpp"
@@ -329,7 +330,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     listen_thread_ =
         std::thread([self] { self->run_thread(&Impl::listener_loop, "distrpc-shm-lsn"); });
     for (auto& t : io_threads_) {
-      t = std::thread([self] { self->run_thread(&Impl::io_main, "distrpc-shm-io"); });
+      t = BoundedThread([self] { self->run_thread(&Impl::io_main, "distrpc-shm-io"); });
     }
   }
 
@@ -368,9 +369,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     write_message(*connection_to(peer), m);
   }
 
-  void shutdown() {
+  // Returns how many I/O threads it abandoned: still running a handed-back task (a request handler
+  // that did not return) at `deadline`, they are detached instead of joined. Such a thread owns
+  // this Impl (its shared_ptr) and, when its task returns, takes the lead, meets `stopping_` and
+  // exits without touching a ring or a socket.
+  std::size_t shutdown(Clock::time_point deadline) {
     std::lock_guard<std::mutex> guard(shutdown_mu_);
-    if (shut_down_) return;
+    if (shut_down_) return 0;
     std::vector<std::shared_ptr<OutConn>> outs;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -380,19 +385,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     for (auto& c : outs) c->shutdown_sock();  // wakes writers waiting for ring space
     signal_eventfd(wake_efd_.get());
     signal_eventfd(listener_stop_.get());
-    const auto me = std::this_thread::get_id();
-    bool on_io_thread = false;
-    for (auto& t : io_threads_) on_io_thread |= t.joinable() && t.get_id() == me;
-    for (std::thread* t : {&listen_thread_, &io_threads_[0], &io_threads_[1]}) {
-      if (!t->joinable()) continue;
-      // Called from a callback: this thread cannot join itself; it returns to a stopped loop and
-      // exits, holding the last reference to this object if the Context is gone by then.
-      if (t->get_id() == me) {
-        t->detach();
-      } else {
-        t->join();
-      }
-    }
+    // Called from a callback, the thread it runs on is detached: it returns to a stopped loop
+    // and exits, holding the last reference to this object if the Context is gone by then.
+    const auto [abandoned, on_io_thread] =
+        transport::detail::stop_threads(listen_thread_, io_threads_, deadline);
     for (auto& c : outs) c->close();
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -404,13 +400,21 @@ class Impl : public std::enable_shared_from_this<Impl> {
         p->out.reset();
       }
     }
-    // The I/O thread is gone; when detached (we run on it) it owns these until it exits.
+    // Only the thread holding lead_mu_ touches these. When we run on an I/O thread (detached
+    // above), it returns into the reader's loop: it owns them until it exits. An abandoned thread
+    // runs a task without the lead and, once it takes the lead again, meets `stopping_` and exits
+    // without reading; so when nobody holds the lead now, nobody reads any more. Clearing closes
+    // the sockets of incoming connections, so peers see the loss even with a thread abandoned.
     if (!on_io_thread) {
-      ins_.clear();
-      watched_.clear();
+      std::unique_lock<std::mutex> lead(lead_mu_, std::try_to_lock);
+      if (lead.owns_lock()) {
+        ins_.clear();
+        watched_.clear();
+      }
     }
     listen_sock_.reset();
     shut_down_ = true;
+    return abandoned;
   }
 
  private:
@@ -1029,11 +1033,20 @@ class Impl : public std::enable_shared_from_this<Impl> {
         woken = true;
         continue;
       }
-      try {
-        task.run();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "distrpc shm: %s: a handed-back task threw: %s\n", self_text().c_str(),
-                     e.what());
+      {
+        // Bounds shutdown's join of this thread while the task runs (bounded_thread.hpp); not
+        // entered when shutdown already decided to join this thread.
+        BoundedThread::UserCodeScope user;
+        if (stopping_.load() || !user.entered()) {
+          queue(std::move(task));
+          return;
+        }
+        try {
+          task.run();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "distrpc shm: %s: a handed-back task threw: %s\n",
+                       self_text().c_str(), e.what());
+        }
       }
       running_task_.store(false);
     }
@@ -1552,10 +1565,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   std::thread listen_thread_;
-  std::array<std::thread, 2> io_threads_;  // leader and follower, by turns
-  std::mutex lead_mu_;                     // held by the one thread that reads (see io_main)
-  std::atomic<bool> running_task_{false};  // an I/O thread runs a handed-back task
-  std::atomic<bool> lead_wanted_{false};   // a caller in drive() waits for the lead
+  std::array<BoundedThread, 2> io_threads_;  // the two I/O threads (see io_main)
+  std::mutex lead_mu_;                       // held by the one thread that reads (see io_main)
+  std::atomic<bool> running_task_{false};    // an I/O thread runs a handed-back task
+  std::atomic<bool> lead_wanted_{false};     // a caller in drive() waits for the lead
 };
 
 }  // namespace shm_detail
@@ -1588,8 +1601,13 @@ class Shm::Context {
   void send(int peer, wire::Message&& message) { impl_->send(peer, message); }
 
   // Idempotent: closes every connection, joins the threads; no callback runs after it returns
-  // (except the one it is called from, if any).
-  void shutdown() { impl_->shutdown(); }
+  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
+  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
+  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
+  std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
+    return impl_->shutdown(deadline);
+  }
+  void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
   // Reads on the calling thread while no other thread does, until done() or `until`
   // (transport.hpp).

@@ -62,6 +62,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
@@ -448,9 +449,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     write_frame(*connection_to(peer), m);
   }
 
-  void shutdown() {
+  // Returns how many reading threads it abandoned: still running a handed-back task (a request
+  // handler that did not return) at `deadline`, they are detached instead of joined. Such a thread
+  // owns this Impl (its shared_ptr) and touches no socket when its task returns: it meets
+  // `stopping_` and exits.
+  std::size_t shutdown(Clock::time_point deadline) {
     std::lock_guard<std::mutex> guard(shutdown_mu_);
-    if (shut_down_) return;
+    if (shut_down_) return 0;
     std::vector<std::shared_ptr<Connection>> conns;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -462,19 +467,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     [[maybe_unused]] const auto w = ::write(wakefd_, &one, sizeof one);
     lio_work_.reset();
     lio_.stop();
-    const auto me = std::this_thread::get_id();
-    std::vector<std::thread*> threads{&listen_thread_};
-    for (auto& t : read_threads_) threads.push_back(&t);
-    for (std::thread* t : threads) {
-      if (!t->joinable()) continue;
-      // Called from a callback: this thread cannot join itself; it returns to a stopped loop and
-      // exits, holding the last reference to this object if the Context is gone by then.
-      if (t->get_id() == me) {
-        t->detach();
-      } else {
-        t->join();
-      }
-    }
+    // Called from a callback, the thread it runs on is detached: it returns to a stopped loop
+    // and exits, holding the last reference to this object if the Context is gone by then.
+    const std::size_t abandoned =
+        transport::detail::stop_threads(listen_thread_, read_threads_, deadline).abandoned;
     // No other thread touches the sockets any more.
     asio::error_code ec;
     acceptor_.close(ec);
@@ -490,6 +486,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     shut_down_ = true;
+    return abandoned;
   }
 
  private:
@@ -1187,14 +1184,19 @@ class Impl : public std::enable_shared_from_this<Impl> {
     InlineTask t = scope.take();
     if (!t.run) return;
     if (inline_running_.fetch_add(1) + 1 < kReadThreads && !stopping_.load()) {
-      try {
-        t.run();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "distrpc tcp: %s: a handed-back task threw: %s\n", self_text().c_str(),
-                     e.what());
+      // Bounds shutdown's join of this thread while the task runs (bounded_thread.hpp); not
+      // entered when shutdown already decided to join this thread: then it goes to the fallback.
+      BoundedThread::UserCodeScope user;
+      if (user.entered()) {
+        try {
+          t.run();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "distrpc tcp: %s: a handed-back task threw: %s\n",
+                       self_text().c_str(), e.what());
+        }
+        inline_running_.fetch_sub(1);
+        return;
       }
-      inline_running_.fetch_sub(1);
-      return;
     }
     inline_running_.fetch_sub(1);
     if (t.fallback) t.fallback(std::move(t.run));
@@ -1287,7 +1289,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   std::thread listen_thread_;
-  std::vector<std::thread> read_threads_;
+  std::vector<BoundedThread> read_threads_;
   int epfd_ = -1;                 // the reading threads' epoll set (one-shot registrations)
   int wakefd_ = -1;               // written once at shutdown: wakes every reading thread to exit
   std::uint64_t next_token_ = 0;  // under mu_
@@ -1325,8 +1327,14 @@ class Tcp::Context {
   void send(int peer, wire::Message&& message) { impl_->send(peer, std::move(message)); }
 
   // Idempotent: stops accepting, closes every connection, joins the threads; no callback runs
-  // after it returns (except the one it is called from, if any).
-  void shutdown() { impl_->shutdown(); }
+  // after it returns (except the one it is called from, if any). A reading thread still running a
+  // handed-back task at `deadline` is abandoned instead (detached; it runs no callback afterwards
+  // and exits when the task returns); returns how many were. Without a deadline:
+  // kDefaultShutdownGrace from now.
+  std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
+    return impl_->shutdown(deadline);
+  }
+  void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
   // Reads on the calling thread, never sleeping, until done() or `until` (transport.hpp).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
