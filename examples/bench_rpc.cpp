@@ -152,27 +152,6 @@ int run_worker(const Args& a) {
     const at::Tensor small = torch::ones({4});
     const double echo_small = median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", small); },
                                         a.small, a.small / 10);
-    if (std::getenv("BENCH_RTH_DETAIL")) {
-      std::vector<double> a1, a2, a3;
-      std::vector<distrpc::RRef<at::Tensor>> keep;
-      const bool hold = std::getenv("BENCH_RTH_KEEP") != nullptr;
-      for (int i = 0; i < a.small; ++i) {
-        auto t0 = Clock::now();
-        auto r = distrpc::remote<&ident>("worker1", small);
-        r.get_future().wait();
-        auto t1 = Clock::now();
-        (void)r.to_here();
-        auto t2 = Clock::now();
-        if (hold) keep.push_back(r);
-        { auto dead = std::move(r); }
-        auto t3 = Clock::now();
-        a1.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-        a2.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
-        a3.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
-      }
-      for (auto* v : {&a1, &a2, &a3}) std::sort(v->begin(), v->end());
-      std::fprintf(stderr, "remote %.1f to_here %.1f drop %.1f\n", a1[a1.size() / 2], a2[a2.size() / 2], a3[a3.size() / 2]);
-    }
     const double remote_to_here = median_us(
         [&] { (void)distrpc::remote<&ident>("worker1", small).to_here(); }, a.small, a.small / 10);
     // RemoteModule forward round trip as torch_rpc_ref.py measures it (1000 calls after 100 by

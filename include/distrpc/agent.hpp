@@ -257,7 +257,7 @@ class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<Rp
       std::function<void()> control = [this, peer, msg = std::move(m)]() mutable {
         handle_control(peer, std::move(msg));
       };
-      if (!transport::offer_inline(control, [this](std::function<void()> t) {
+      if (!transport::offer_inline_library(control, [this](std::function<void()> t) {
             return callback_pool_.post(std::move(t));
           })) {
         callback_pool_.post(std::move(control));

@@ -141,19 +141,49 @@ inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel())) == 0;
 }
 
+// For scenarios whose on_message offers tasks inline (transport.hpp InlineScope): what reached
+// the fallback, under the one mutex the scenario also uses for its own records.
+struct FallbackLog {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::function<void()>> queued;  // tasks passed to the fallback
+  std::vector<std::uint64_t> queued_ids;
+  std::function<bool(std::function<void()>)> fallback_for(std::uint64_t id) {
+    return [this, id](std::function<void()> t) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        queued.push_back(std::move(t));
+        queued_ids.push_back(id);
+      }
+      cv.notify_all();
+      return true;
+    };
+  }
+};
+
+// A receiver (worker 1) with the scenario's callbacks, introduced to `a` (worker 0).
+template <class P>
+std::unique_ptr<typename P::Context> receiver_for(NodeOf<P>& a, transport::TransportCallbacks cb) {
+  auto b = std::make_unique<typename P::Context>(options_for(1), std::move(cb));
+  a.ctx->add_peer(1, "w1", b->address());
+  b->add_peer(0, "w0", a.ctx->address());
+  return b;
+}
+
 // Leader/follower (transport.hpp InlineScope), for any policy that opens the scope: a task handed
 // back from on_message runs on the thread that read its message, after reading was re-armed, so a
 // blocked task never stops the connection; at most one runs at a time; the rest go to the fallback,
 // each exactly once.
 template <class P>
 void handed_back_task_scenario() {
-  std::mutex mu;
-  std::condition_variable cv;
+  FallbackLog log;
+  auto& mu = log.mu;
+  auto& cv = log.cv;
+  auto& queued = log.queued;
+  auto& queued_ids = log.queued_ids;
   std::vector<std::uint64_t> order;                     // ids as on_message saw them
   std::map<std::uint64_t, std::thread::id> read_on;     // id -> thread that delivered it
   std::map<std::uint64_t, std::thread::id> ran_inline;  // id -> thread that ran its task inline
-  std::vector<std::function<void()>> queued;            // tasks passed to the fallback
-  std::vector<std::uint64_t> queued_ids;
   int inline_now = 0, inline_max = 0;
   bool release = false;
 
@@ -175,24 +205,14 @@ void handed_back_task_scenario() {
       if (blocks) cv.wait(lk, [&] { return release; });
       --inline_now;
     };
-    const std::function<bool(std::function<void()>)> fallback = [&, id](std::function<void()> t) {
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        queued.push_back(std::move(t));
-        queued_ids.push_back(id);
-      }
-      cv.notify_all();
-      return true;
-    };
+    const auto fallback = log.fallback_for(id);
     // Refused when the scope already holds a task (a second message of the same read): the
     // receiver queues it itself, as the agent does.
     if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
   };
   cb.on_peer_lost = [](int, const std::string&) {};
   NodeOf<P> a(0);
-  auto b = std::make_unique<typename P::Context>(options_for(1), cb);
-  a.ctx->add_peer(1, "w1", b->address());
-  b->add_peer(0, "w0", a.ctx->address());
+  auto b = receiver_for(a, cb);
 
   // 1. A lone message: its task runs inline, on the thread that read it.
   a.ctx->send(1, make_message(wire::MessageType::Request, 1, "block"));
@@ -269,12 +289,13 @@ void handed_back_task_scenario() {
 template <class P>
 void driven_reply_scenario() {
   using Clock = std::chrono::steady_clock;
-  std::mutex mu;
-  std::condition_variable cv;
+  FallbackLog log;
+  auto& mu = log.mu;
+  auto& cv = log.cv;
+  auto& queued = log.queued;
+  auto& queued_ids = log.queued_ids;
   std::map<std::uint64_t, std::thread::id> read_on;
   std::map<std::uint64_t, std::thread::id> ran_on;
-  std::vector<std::uint64_t> queued_ids;
-  std::vector<std::function<void()>> queued;
 
   transport::TransportCallbacks cb;
   cb.on_message = [&](int, wire::Message&& m) {
@@ -290,22 +311,12 @@ void driven_reply_scenario() {
       ran_on[id] = std::this_thread::get_id();
       cv.notify_all();
     };
-    const std::function<bool(std::function<void()>)> fallback = [&, id](std::function<void()> t) {
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        queued.push_back(std::move(t));
-        queued_ids.push_back(id);
-      }
-      cv.notify_all();
-      return true;
-    };
+    const auto fallback = log.fallback_for(id);
     if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
   };
   cb.on_peer_lost = [](int, const std::string&) {};
   NodeOf<P> a(0);
-  auto b = std::make_unique<typename P::Context>(options_for(1), cb);
-  a.ctx->add_peer(1, "w1", b->address());
-  b->add_peer(0, "w0", a.ctx->address());
+  auto b = receiver_for(a, cb);
   auto delivered = [&](std::uint64_t id) {
     std::lock_guard<std::mutex> lk(mu);
     return read_on.count(id) == 1;

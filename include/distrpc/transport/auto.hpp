@@ -19,8 +19,8 @@
 #include <cctype>
 #include <chrono>
 #include <cstddef>
-#include <functional>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>

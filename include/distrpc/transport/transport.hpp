@@ -11,11 +11,14 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <functional>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -53,10 +56,49 @@ struct TransportCallbacks {
 // never waits on the task (the thread is a worker for that time, not the I/O thread). Otherwise it
 // passes the task to the receiver's fallback, which queues it as usual. A policy that opens no
 // scope changes nothing: offer_inline() returns false and the receiver posts as before.
+// Library tasks (offer_inline_library(): short, never waiting on user code, such as RRef protocol
+// steps) are kept through the rest of a read, in order, and run before the request when the task
+// runs here: a delete that arrives just before the next call then costs no pool thread's wake-up.
 struct InlineTask {
+  using Fallback = std::function<bool(std::function<void()>)>;
   std::function<void()> run;
   // Queues `run` elsewhere (the receiver's pool); false if that was refused (shutting down).
-  std::function<bool(std::function<void()>)> fallback;
+  Fallback fallback;
+  // Library tasks offered during the same read, to run first, each with its own fallback.
+  std::vector<std::pair<std::function<void()>, Fallback>> first;
+
+  bool empty() const { return !run && first.empty(); }
+  // Runs everything here, the library tasks first; one that throws does not stop the others.
+  void run_here() {
+    for (auto& [f, fb] : first) run_one(f);
+    first.clear();
+    if (run) run_one(run);
+    run = nullptr;
+  }
+  // Passes everything to its fallback. A refusal means the receiver is shutting down: it would
+  // have dropped a posted task too.
+  void queue() {
+    for (auto& [f, fb] : first) queue_one(std::move(f), fb);
+    first.clear();
+    if (run) queue_one(std::move(run), fallback);
+    run = nullptr;
+  }
+
+ private:
+  static void run_one(std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "distrpc: a task handed back to a reading thread threw: %s\n", e.what());
+    }
+  }
+  static void queue_one(std::function<void()>&& f, const Fallback& fb) {
+    if (!fb) return;
+    try {
+      fb(std::move(f));
+    } catch (...) {
+    }
+  }
 };
 
 namespace detail {
@@ -67,7 +109,9 @@ inline thread_local bool transport_thread = false;      // see mark_transport_th
 // A policy marks its own threads (readers, listeners) at their start. Library code that may
 // block on the network (a send waiting for back-pressure) must not run on them, nor inside their
 // callbacks: it queues its work instead (on_transport_thread()).
-inline void mark_transport_thread() { detail::transport_thread = true; }
+inline void mark_transport_thread() {
+  detail::transport_thread = true;
+}
 inline bool on_transport_thread() {
   return detail::transport_thread || detail::inline_slot != nullptr;
 }
@@ -82,6 +126,18 @@ inline bool offer_inline(std::function<void()>& run,
   return true;
 }
 
+// The same for a library task (see InlineTask); false when no scope is open here, or when the
+// scope already keeps kMaxLibraryTasks of them (a stream of them goes to the pool as it comes).
+inline constexpr std::size_t kMaxLibraryTasks = 16;
+inline bool offer_inline_library(std::function<void()>& run,
+                                 const std::function<bool(std::function<void()>)>& fallback) {
+  if (detail::inline_slot == nullptr || detail::inline_slot->first.size() >= kMaxLibraryTasks) {
+    return false;
+  }
+  detail::inline_slot->first.emplace_back(std::move(run), fallback);
+  return true;
+}
+
 // Transport side: open around the on_message calls of one read, take() after re-arming. A task
 // never taken (an early return on a protocol error) is queued through its fallback, never lost.
 class InlineScope {
@@ -89,28 +145,26 @@ class InlineScope {
   InlineScope() : outer_(detail::inline_slot) { detail::inline_slot = &slot_; }
   ~InlineScope() {
     close();
-    release_to_fallback();
+    slot_.queue();
   }
 
-  // Queues a task offered so far through its fallback; the scope keeps accepting offers.
+  // Queues the request offered so far through its fallback (library tasks stay); the scope keeps
+  // accepting offers.
   void release_to_fallback() {
     if (!slot_.run) return;
-    InlineTask t = std::move(slot_);
-    slot_ = InlineTask{};
-    // A refusal means the receiver is shutting down: it would have dropped a posted task too.
-    if (t.fallback) {
-      try {
-        t.fallback(std::move(t.run));
-      } catch (...) {
-      }
-    }
+    InlineTask t;
+    t.run = std::move(slot_.run);
+    t.fallback = std::move(slot_.fallback);
+    slot_.run = nullptr;
+    slot_.fallback = nullptr;
+    t.queue();
   }
   InlineScope(const InlineScope&) = delete;
   InlineScope& operator=(const InlineScope&) = delete;
 
-  bool holds_task() const { return static_cast<bool>(slot_.run); }
+  bool holds_task() const { return !slot_.empty(); }
 
-  // Stops accepting offers and returns what was offered (run empty when nothing was).
+  // Stops accepting offers and returns what was offered (empty() when nothing was).
   InlineTask take() {
     close();
     InlineTask t = std::move(slot_);

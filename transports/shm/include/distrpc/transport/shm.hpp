@@ -1003,9 +1003,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
   //   thread is woken at all (an eager hand-over to a parked thread cost one per call);
   // - a caller waiting for a reply (drive()) takes the lead while it is free and reads its reply
   //   itself; a leader that sees a caller wanting it and has nothing to read lets go at once.
-  // A thread woken from idle_wait that finds the lead taken blocks on lead_mu_ instead of
-  // waiting again: what woke it stays readable (level-triggered), and the holder, which may have
-  // looked at the rings just before the signal, wakes it when it lets go.
+  // A thread woken from idle_wait that finds the lead taken consumes the signal, raises missed_
+  // and tries once more; the holder, which may have looked at the rings just before the signal,
+  // looks again after it lets go (settle()) and signals again only if a record is waiting. So a
+  // woken thread never parks on the mutex, and letting go of the lead never wakes anybody.
 
   // One I/O thread.
   void io_main() {
@@ -1013,22 +1014,20 @@ class Impl : public std::enable_shared_from_this<Impl> {
     bool woken = false;  // back from idle_wait: if the lead is taken, wait for it
     for (;;) {
       if (stopping_.load()) return;
-      if (!lead.try_lock()) {
-        if (!woken) {
-          idle_wait();
-          woken = true;
-          continue;
-        }
-        lead.lock();
+      if (!lead.try_lock() && !(woken && retry_lead(lead))) {
+        idle_wait();
+        woken = true;
+        continue;
       }
       woken = false;
       InlineTask task = io_loop();  // returns with every ring declared sleeping
       lead.unlock();
+      settle(lead);
       if (stopping_.load()) {
-        queue(std::move(task));
+        task.queue();
         return;
       }
-      if (!task.run) {
+      if (task.empty()) {
         idle_wait();
         woken = true;
         continue;
@@ -1038,18 +1037,30 @@ class Impl : public std::enable_shared_from_this<Impl> {
         // entered when shutdown already decided to join this thread.
         BoundedThread::UserCodeScope user;
         if (stopping_.load() || !user.entered()) {
-          queue(std::move(task));
+          task.queue();
           return;
         }
-        try {
-          task.run();
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "distrpc shm: %s: a handed-back task threw: %s\n",
-                       self_text().c_str(), e.what());
-        }
+        task.run_here();
       }
       running_task_.store(false);
     }
+  }
+
+  // Woken, and the lead is taken: consume the signal (first: one sent after it must stay), tell
+  // the holder, and try once more. True when this thread got the lead after all.
+  bool retry_lead(std::unique_lock<std::mutex>& lead) {
+    if (!stopping_.load()) drain_eventfd(wake_efd_.get());
+    missed_.store(true);
+    return lead.try_lock();
+  }
+
+  // Just let go of the lead: if a woken thread found it taken meanwhile, look at the rings again
+  // and signal only if a record is waiting (the holder of the moment settles it otherwise).
+  void settle(std::unique_lock<std::mutex>& lead) {
+    if (!missed_.load() || !lead.try_lock()) return;
+    const bool ready = missed_.exchange(false) && sleep_rings_or_ready();
+    lead.unlock();
+    if (ready) signal_eventfd(wake_efd_.get());
   }
 
   // Sleeps until a writer's signal, a socket event or shutdown. Handles nothing: the thread that
@@ -1060,15 +1071,6 @@ class Impl : public std::enable_shared_from_this<Impl> {
     do {
       n = ::epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
     } while (n < 0 && errno == EINTR && !stopping_.load());
-  }
-
-  static void queue(InlineTask t) {
-    if (!t.fallback) return;
-    try {
-      t.fallback(std::move(t.run));
-    } catch (...) {
-      // A refusal means the receiver is shutting down: it would have dropped a posted task too.
-    }
   }
 
   // Declares every ring sleeping, then looks once more (ring.hpp): true when something came in
@@ -1162,7 +1164,14 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (!service_all(scope)) ::sched_yield();
     }
     // Hand the lead back as found; a record that came meanwhile wakes an I/O thread for it.
-    if (lead.owns_lock() && sleep_rings_or_ready()) signal_eventfd(wake_efd_.get());
+    if (!lead.owns_lock()) return;
+    const bool ready = sleep_rings_or_ready();
+    lead.unlock();
+    if (ready) {
+      signal_eventfd(wake_efd_.get());
+    } else {
+      settle(lead);
+    }
   }
 
  private:
@@ -1204,7 +1213,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       const std::uint64_t token = evs[static_cast<std::size_t>(i)].data.u64;
       const std::uint32_t events = evs[static_cast<std::size_t>(i)].events;
       if (token == kWakeToken) {
-        drain_eventfd(wake_efd_.get());
+        // At shutdown it stays signalled: a thread about to sleep in idle_wait must still see it.
+        if (!stopping_.load()) drain_eventfd(wake_efd_.get());
         continue;
       }
       auto it = watched_.find(token);
@@ -1569,6 +1579,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::mutex lead_mu_;                       // held by the one thread that reads (see io_main)
   std::atomic<bool> running_task_{false};    // an I/O thread runs a handed-back task
   std::atomic<bool> lead_wanted_{false};     // a caller in drive() waits for the lead
+  std::atomic<bool> missed_{false};          // a woken I/O thread found the lead taken
 };
 
 }  // namespace shm_detail

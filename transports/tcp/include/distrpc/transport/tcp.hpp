@@ -1019,7 +1019,6 @@ class Impl : public std::enable_shared_from_this<Impl> {
   }
 
  private:
-
   // Reads until the socket is empty; false when the connection is gone. A task handed back is
   // run here only if the socket then turns out empty (a lone call: the latency case); when more
   // bytes keep coming (a stream of calls: the throughput case) it is queued at once instead, so
@@ -1182,24 +1181,19 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // to keep doing I/O meanwhile; otherwise queue it where the receiver said.
   void run_handed_back(InlineScope& scope) {
     InlineTask t = scope.take();
-    if (!t.run) return;
+    if (t.empty()) return;
     if (inline_running_.fetch_add(1) + 1 < kReadThreads && !stopping_.load()) {
       // Bounds shutdown's join of this thread while the task runs (bounded_thread.hpp); not
       // entered when shutdown already decided to join this thread: then it goes to the fallback.
       BoundedThread::UserCodeScope user;
       if (user.entered()) {
-        try {
-          t.run();
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "distrpc tcp: %s: a handed-back task threw: %s\n",
-                       self_text().c_str(), e.what());
-        }
+        t.run_here();
         inline_running_.fetch_sub(1);
         return;
       }
     }
     inline_running_.fetch_sub(1);
-    if (t.fallback) t.fallback(std::move(t.run));
+    t.queue();
   }
 
   void end_of_stream(const std::shared_ptr<Connection>& c) {
