@@ -100,10 +100,12 @@ class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<Rp
     if (budget.count() <= 0 || done()) return;
     transport_drive(done, std::chrono::steady_clock::now() + budget);
   }
-  // Polls done() until `until`; a policy with drive() reads the transport meanwhile.
+  // Polls done() until `until`, yielding the CPU each round (a small call's reply arrives within
+  // microseconds, and waking a sleeping thread costs more); a policy with drive() reads the
+  // transport meanwhile.
   virtual void transport_drive(const std::function<bool()>& done,
                                std::chrono::steady_clock::time_point until) {
-    detail::poll_until(done, until);
+    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   }
 
   WorkerInfo worker(const std::string& name) const {

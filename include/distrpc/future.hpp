@@ -931,19 +931,4 @@ inline bool detail::register_in_scope(const FutureBase& f) {
   return true;
 }
 
-namespace detail {
-// Polls `f` for up to `budget`, yielding the CPU each round, before the caller blocks on it: the
-// blocking RPC entry points use it (RpcBackendOptions::sync_wait_spin), because a small call's
-// reply arrives within microseconds and waking a sleeping thread costs more than that.
-template <class Done>
-void poll_until(const Done& done, std::chrono::steady_clock::time_point until) {
-  while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-}
-template <class F>
-void poll_before_wait(const F& f, std::chrono::microseconds budget) {
-  if (budget.count() <= 0 || f.done()) return;
-  poll_until([&f] { return f.done(); }, std::chrono::steady_clock::now() + budget);
-}
-}  // namespace detail
-
 }  // namespace distrpc
