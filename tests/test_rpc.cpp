@@ -40,20 +40,7 @@
 #include "support/rpc_test_util.hpp"
 #include "support/rpc_under_test.hpp"
 
-using namespace std::chrono_literals;
-using distrpc::Future;
-using distrpc::RpcBackendOptions;
-using distrpc::WorkerInfo;
-using distrpc::testing::RankContext;
-using distrpc::testing::run_ranks;
-using distrpc::testing::RunOptions;
-using Clock = std::chrono::steady_clock;
-using distrpc::testing::contains;
-using distrpc::testing::expect_exact;
-using distrpc::testing::file_url;
-using distrpc::testing::init;
-using distrpc::testing::ms_since;
-using distrpc::testing::wname;
+using namespace distrpc::testing::rpc_names;
 
 namespace {
 

@@ -22,16 +22,7 @@
 #include "support/rpc_test_util.hpp"
 #include "support/rpc_under_test.hpp"
 
-using namespace std::chrono_literals;
-using distrpc::Future;
-using distrpc::RpcBackendOptions;
-using distrpc::testing::contains;
-using distrpc::testing::file_url;
-using distrpc::testing::ms_since;
-using distrpc::testing::run_ranks;
-using distrpc::testing::RunOptions;
-using distrpc::testing::wname;
-using Clock = std::chrono::steady_clock;
+using namespace distrpc::testing::rpc_names;
 
 namespace rpc_shutdown_test {
 

@@ -9,8 +9,9 @@
 
 #include <doctest/doctest.h>
 
-#include <distrpc/rpc_error.hpp>
 #include <distrpc/options.hpp>
+#include <distrpc/rpc.hpp>
+#include <distrpc/rpc_error.hpp>
 
 #include "multiprocess.hpp"
 #include "support/rpc_under_test.hpp"
@@ -59,3 +60,23 @@ void expect_exact(Fn&& fn, const std::string& text, const std::string& what) {
 }
 
 }  // namespace distrpc::testing
+
+// The names every RPC suite uses unqualified: one `using namespace distrpc::testing::rpc_names;`
+// per file instead of the same list of using-declarations in each.
+namespace distrpc::testing::rpc_names {
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using distrpc::Future;
+using distrpc::RpcBackendOptions;
+using distrpc::RRef;
+using distrpc::WorkerInfo;
+using distrpc::testing::contains;
+using distrpc::testing::expect_exact;
+using distrpc::testing::file_url;
+using distrpc::testing::init;
+using distrpc::testing::ms_since;
+using distrpc::testing::RankContext;
+using distrpc::testing::run_ranks;
+using distrpc::testing::RunOptions;
+using distrpc::testing::wname;
+}  // namespace distrpc::testing::rpc_names
