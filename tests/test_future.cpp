@@ -432,6 +432,70 @@ TEST_CASE("Future: executor overloads run the callback via the executor") {
   }
 }
 
+// What an RPC agent does for the futures it hands out (detail::set_wait_driver): a thread about
+// to sleep in wait() first lets the driver poll, here one that completes the future itself.
+namespace {
+struct CompletingDriver : distrpc::detail::WaitDriver {
+  std::function<void()> complete;  // what "reading the reply" does
+  std::atomic<int> calls{0};
+  std::chrono::steady_clock::time_point last_until{};
+  void drive_wait(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
+    ++calls;
+    last_until = until;
+    if (!done() && complete) complete();
+  }
+};
+}  // namespace
+
+TEST_CASE("Future: a wait driver runs on the waiting thread before it sleeps") {
+  SUBCASE("wait() returns once the driver completed the future, on the same thread") {
+    Future<int> f;
+    auto d = std::make_shared<CompletingDriver>();
+    std::thread::id completed_on;
+    d->complete = [f, &completed_on] {
+      completed_on = std::this_thread::get_id();
+      f.set_value(7);
+    };
+    distrpc::detail::set_wait_driver(f, d);
+    CHECK(f.value() == 7);
+    CHECK(d->calls == 1);
+    CHECK(completed_on == std::this_thread::get_id());
+    f.wait();  // done: not asked again
+    CHECK(d->calls == 1);
+  }
+  SUBCASE("wait_for() passes its deadline; a driver that cannot help leaves the wait to time out") {
+    Future<int> f;
+    auto d = std::make_shared<CompletingDriver>();
+    distrpc::detail::set_wait_driver(f, d);
+    const auto before = std::chrono::steady_clock::now();
+    CHECK_FALSE(f.wait_for(20ms));
+    CHECK(d->calls == 1);
+    CHECK(d->last_until >= before + 20ms);
+    CHECK(d->last_until <= std::chrono::steady_clock::now());
+  }
+  SUBCASE("a driver that is gone (its agent destroyed) is not called; completion still wakes") {
+    Future<int> f;
+    auto d = std::make_shared<CompletingDriver>();
+    distrpc::detail::set_wait_driver(f, d);
+    std::weak_ptr<CompletingDriver> w = d;
+    d.reset();
+    CHECK(w.expired());
+    std::thread t([f] {
+      std::this_thread::sleep_for(10ms);
+      f.set_value(3);
+    });
+    CHECK(f.value() == 3);
+    t.join();
+  }
+  SUBCASE("a future without a driver waits as before") {
+    Future<int> f;
+    std::thread t([f] { f.set_value(4); });
+    CHECK(f.value() == 4);
+    t.join();
+  }
+}
+
 TEST_CASE("Future: a callback executor keeps user callbacks off the completing (I/O) thread") {
   SerialExecutor pool;
   SerialExecutor other;

@@ -673,6 +673,11 @@ TEST_CASE("tcp: a handed-back task runs on the reading thread without blocking r
   distrpc::testing::handed_back_task_scenario<Tcp>();
 }
 
+// A blocked task at the head of a stream: the rest is still read, soon, and queued.
+TEST_CASE("tcp: a stream whose first task blocks is still read and delivered in order") {
+  distrpc::testing::blocked_stream_scenario<Tcp>(false);
+}
+
 // A caller waiting for a reply reads it itself (drive()); the scenario is shared with shm.
 TEST_CASE("tcp: drive() reads on the waiting thread, never runs a task there, and hands back") {
   distrpc::testing::driven_reply_scenario<Tcp>();

@@ -64,7 +64,9 @@ struct WorkCounters {
 
 // Shared-owned (init_rpc makes it with make_shared): a stop that abandons threads still running
 // user code keeps the agent alive through its own shared_ptr (stop(), keep_alive_forever()).
-class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<RpcAgent> {
+class RpcAgent : public detail::RRefHost,
+                 public detail::WaitDriver,
+                 public std::enable_shared_from_this<RpcAgent> {
  public:
   RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
       : self_(std::move(self)),
@@ -96,9 +98,18 @@ class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<Rp
     if (!f.done()) poll_for([&f] { return f.done(); });
   }
   void poll_for(const std::function<bool()>& done) {
+    drive_wait(done, std::chrono::steady_clock::time_point::max());
+  }
+  // The same for a thread about to sleep in wait() on a future this agent handed out
+  // (detail::set_wait_driver), bounded by the wait's own deadline.
+  void drive_wait(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
     const auto budget = options_.sync_wait_spin;
     if (budget.count() <= 0 || done()) return;
-    transport_drive(done, std::chrono::steady_clock::now() + budget);
+    // A reading thread (inside a read, or a policy's own thread outside a task) never reads on
+    // a waiter's behalf: it may hold the very lead that reading needs.
+    if (transport::on_transport_thread()) return;
+    transport_drive(done, std::min(until, std::chrono::steady_clock::now() + budget));
   }
   // Polls done() until `until`, yielding the CPU each round (a small call's reply arrives within
   // microseconds, and waking a sleeping thread costs more); a policy with drive() reads the
@@ -423,6 +434,7 @@ class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<Rp
     --counters_.protocol_pending;
   }
   void host_poll(const std::function<bool()>& done) override { poll_for(done); }
+  std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
   detail::ExecutorFn host_user_executor() override {
     return [this](std::function<void()> fn) {
       if (!callback_pool_.post(std::move(fn))) {
@@ -826,8 +838,18 @@ class RpcAgent : public detail::RRefHost, public std::enable_shared_from_this<Rp
     if (result.done()) {
       respond(result);
     } else {
-      // An async function: this thread is free now; the reply goes when its future completes.
-      result.add_done_callback(callback_executor(), respond);
+      // An async function (or an RRef fetch waiting for its value): this thread is free now;
+      // the reply goes when its future completes, sent by the thread that completes it unless
+      // that is a reading thread, which must not block on a send (then from the callback pool).
+      result.add_done_callback(
+          [this](std::function<void()> fn) {
+            if (!transport::on_transport_thread()) {
+              fn();
+            } else if (!callback_pool_.post(std::move(fn))) {
+              throw RpcError("RPC agent of " + self_.str() + " is shut down: reply dropped");
+            }
+          },
+          respond);
     }
   }
 

@@ -206,6 +206,16 @@ inline void log_dropped_error(const char* where, const std::exception_ptr& e) no
 // keep a never-completed future alive forever). They also receive the executor user code must be
 // posted to, or null to run inline; library-internal callbacks (forwarding, aggregation) ignore it
 // and always run inline, which keeps them cheap and free of pool-starvation deadlocks.
+// Something that can bring a pending future closer to completion from the thread that waits on
+// it: an RPC agent, which reads its transport there (the reply then wakes no other thread).
+// Asked once before a waiter sleeps; returns by `until` at the latest, done or not.
+class WaitDriver {
+ public:
+  virtual ~WaitDriver() = default;
+  virtual void drive_wait(const std::function<bool()>& done,
+                          std::chrono::steady_clock::time_point until) = 0;
+};
+
 class StateBase {
  public:
   using Callback = std::function<void(const std::shared_ptr<StateBase>&, const ExecutorFn*)>;
@@ -217,6 +227,7 @@ class StateBase {
 
   void wait() const {
     if (done()) return;
+    drive(std::chrono::steady_clock::time_point::max());
     std::unique_lock lk(mu_);
     cv_.wait(lk, [this] { return status_.load(std::memory_order_relaxed) != Status::pending; });
   }
@@ -224,6 +235,9 @@ class StateBase {
   template <class Clock, class Dur>
   bool wait_until(const std::chrono::time_point<Clock, Dur>& deadline) const {
     if (done()) return true;
+    if constexpr (std::is_same_v<Clock, std::chrono::steady_clock>) {
+      drive(std::chrono::time_point_cast<std::chrono::steady_clock::duration>(deadline));
+    }
     std::unique_lock lk(mu_);
     return cv_.wait_until(lk, deadline, [this] {
       return status_.load(std::memory_order_relaxed) != Status::pending;
@@ -287,14 +301,29 @@ class StateBase {
     std::lock_guard lk(mu_);
     executor_ = std::move(ex);
   }
+  void set_driver(std::weak_ptr<WaitDriver> d) {
+    std::lock_guard lk(mu_);
+    driver_ = std::move(d);
+  }
 
  private:
+  // Lets the driver (if any, and still alive) poll for the outcome before the caller sleeps.
+  void drive(std::chrono::steady_clock::time_point until) const {
+    std::shared_ptr<WaitDriver> d;
+    {
+      std::lock_guard lk(mu_);
+      d = driver_.lock();
+    }
+    if (d) d->drive_wait([this] { return done(); }, until);
+  }
+
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::atomic<Status> status_{Status::pending};
   std::exception_ptr error_;
   std::vector<Callback> callbacks_;
   std::shared_ptr<const ExecutorFn> executor_;
+  std::weak_ptr<WaitDriver> driver_;  // weak: a future may outlive its agent
 };
 
 template <class T>
@@ -444,6 +473,12 @@ void set_callback_executor(const FutureBase& f, Ex&& ex) {
           post_to(e, std::move(fn));
         }));
   }
+}
+
+// Called by the RPC layer on the futures it hands out: a thread about to sleep in wait() (or
+// wait_for/wait_until) on `f` first lets `d` poll for the outcome. Set it before handing `f` out.
+inline void set_wait_driver(const FutureBase& f, std::weak_ptr<WaitDriver> d) {
+  FutureAccess::state(f)->set_driver(std::move(d));
 }
 
 template <class T>

@@ -115,8 +115,10 @@ Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr
           return out;
         }
       });
-  // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool.
+  // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool. A
+  // thread that waits for it reads the transport meanwhile (sync_wait_spin).
   set_callback_executor(typed, agent->callback_executor());
+  set_wait_driver(typed, agent);
   return typed;
 }
 
@@ -259,7 +261,6 @@ Future<detail::call_result_t<F>> rpc_async(const Destination& to, A&&... args) {
 template <auto F, class... A>
 detail::call_result_t<F> rpc_sync(const Destination& to, CallOptions opts, A&&... args) {
   auto f = rpc_async<F>(to, opts, std::forward<A>(args)...);
-  detail::current_agent()->poll_reply(f);
   if constexpr (std::is_void_v<detail::call_result_t<F>>) {
     f.value();
   } else {

@@ -123,9 +123,10 @@ class RRef {
     throw_if_creation_failed();
     auto ctx = i.ctx.lock();
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
-    // A fetch that overtakes the remote() call finds no value yet and waits on the owner, where
-    // the call, no longer alone, went through the pool: wait briefly for the creation first, so
-    // both run as lone calls (two round trips and no hand-off).
+    // A fetch that overtakes the remote() call waits on the owner until the value exists. But
+    // sent while the creation's reply is on its way, that reply finds this process not reading
+    // and wakes a reading thread (costlier than the round trip saved): wait briefly for the
+    // creation first, reading its reply here.
     ctx->poll_reply(i.created);
     auto reply = ctx->fetch(impl_, timeout);
     ctx->poll_reply(reply);

@@ -159,6 +159,12 @@ struct FallbackLog {
       return true;
     };
   }
+  // Offers `task` to the scope open on this thread; when refused (no scope, or it holds a task
+  // already: a second message of the same read) queues it here, as the agent queues to its pool.
+  void offer_or_queue(std::uint64_t id, std::function<void()> task) {
+    const auto fallback = fallback_for(id);
+    if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
+  }
 };
 
 // A receiver (worker 1) with the scenario's callbacks, introduced to `a` (worker 0).
@@ -205,10 +211,7 @@ void handed_back_task_scenario() {
       if (blocks) cv.wait(lk, [&] { return release; });
       --inline_now;
     };
-    const auto fallback = log.fallback_for(id);
-    // Refused when the scope already holds a task (a second message of the same read): the
-    // receiver queues it itself, as the agent does.
-    if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
+    log.offer_or_queue(id, std::move(task));
   };
   cb.on_peer_lost = [](int, const std::string&) {};
   NodeOf<P> a(0);
@@ -281,6 +284,95 @@ void handed_back_task_scenario() {
   CHECK(outside);                                     // and the task was not taken
 }
 
+// A stream whose first task blocks: the messages behind it are still read and delivered, in
+// order and soon (a policy may leave its rings unattended while a reading thread runs the task
+// it read, as shm does in a stream, but only for a bounded time before another thread reads),
+// and their tasks go to the fallback while it blocks, each exactly once.
+// With `first_runs_inline`, the policy must run the first (blocking) task on its reading thread.
+template <class P>
+void blocked_stream_scenario(bool first_runs_inline) {
+  using Clock = std::chrono::steady_clock;
+  FallbackLog log;
+  auto& mu = log.mu;
+  auto& cv = log.cv;
+  std::vector<std::uint64_t> order;
+  std::set<std::uint64_t> ran_inline;
+  bool blocking = false, release = false;
+  transport::TransportCallbacks cb;
+  cb.on_message = [&](int, wire::Message&& m) {
+    const std::uint64_t id = m.id;
+    const bool blocks = m.payload == "block";
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      order.push_back(id);
+    }
+    cv.notify_all();
+    std::function<void()> task = [&, id, blocks] {
+      std::unique_lock<std::mutex> lk(mu);
+      ran_inline.insert(id);
+      if (blocks) {
+        blocking = true;
+        cv.notify_all();
+        cv.wait(lk, [&] { return release; });
+      }
+    };
+    log.offer_or_queue(id, std::move(task));
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  NodeOf<P> a(0);
+  auto b = receiver_for(a, cb);
+
+  constexpr std::uint64_t kCount = 200;
+  for (int round = 0; round < 3; ++round) {
+    // Sent back to back: the first is followed at once by the rest.
+    const std::uint64_t base = round * kCount;
+    std::size_t inline_before = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      inline_before = ran_inline.size();
+    }
+    a.ctx->send(1, make_message(wire::MessageType::Request, base + 1, "block"));
+    for (std::uint64_t id = base + 2; id <= base + kCount; ++id) {
+      a.ctx->send(1, make_message(wire::MessageType::Request, id, "quick"));
+    }
+    const auto t0 = Clock::now();
+    std::unique_lock<std::mutex> lk(mu);
+    // Unless the blocking task went to the fallback (never run here), it blocks now, and still
+    // every message arrives.
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return order.size() == base + kCount; }));
+    CHECK(Clock::now() - t0 < 2s);
+    for (std::uint64_t i = 0; i < order.size(); ++i) CHECK(order[i] == i + 1);
+    if (first_runs_inline) {
+      CHECK(cv.wait_for(lk, 10s, [&] { return ran_inline.count(base + 1) == 1; }));
+    }
+    const bool inline_block = ran_inline.count(base + 1) == 1;
+    if (inline_block) {
+      CHECK(blocking);
+      // Nothing else ran on a reading thread while it blocked, and all went one way, once.
+      CHECK(cv.wait_for(
+          lk, 10s, [&] { return log.queued_ids.size() + ran_inline.size() == base + kCount; }));
+      CHECK(ran_inline.size() == inline_before + 1);
+    }
+    std::set<std::uint64_t> seen(log.queued_ids.begin(), log.queued_ids.end());
+    CHECK(seen.size() == log.queued_ids.size());
+    for (auto id : ran_inline) CHECK(seen.count(id) == 0);
+    release = true;
+    blocking = false;
+    lk.unlock();
+    cv.notify_all();
+    std::this_thread::sleep_for(20ms);
+    lk.lock();
+    release = false;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    release = true;
+  }
+  cv.notify_all();
+  b->shutdown();
+  a.ctx->shutdown();
+}
+
 // drive() (transport.hpp): a thread waiting for a message reads it itself while no other thread
 // does. Whatever it reads is delivered as usual, but a task on_message hands back is never run on
 // it (it goes to the fallback, once); drive() stops at its deadline; and afterwards the policy's
@@ -311,8 +403,7 @@ void driven_reply_scenario() {
       ran_on[id] = std::this_thread::get_id();
       cv.notify_all();
     };
-    const auto fallback = log.fallback_for(id);
-    if (!transport::offer_inline(task, fallback)) fallback(std::move(task));
+    log.offer_or_queue(id, std::move(task));
   };
   cb.on_peer_lost = [](int, const std::string&) {};
   NodeOf<P> a(0);

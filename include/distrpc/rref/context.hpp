@@ -110,6 +110,8 @@ class RRefHost {
   virtual ExecutorFn host_user_executor() = 0;
   // Polls done() before a blocking call sleeps (RpcBackendOptions::sync_wait_spin).
   virtual void host_poll(const std::function<bool()>& done) = 0;
+  // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
+  virtual std::weak_ptr<WaitDriver> host_wait_driver() = 0;
 
  protected:
   virtual ~RRefHost() = default;
@@ -271,6 +273,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   void finish_remote(const ImplPtr& impl, const Future<wire::Message>& reply) {
     Future<void> created;
     detail::set_callback_executor(created, host_.host_user_executor());
+    detail::set_wait_driver(created, host_.host_wait_driver());
     impl->created = created;
     auto weak = weak_from_this();
     reply.add_done_callback([weak, impl, created](const Future<wire::Message>& r) {

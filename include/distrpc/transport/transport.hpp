@@ -46,6 +46,12 @@ struct TransportCallbacks {
   std::function<void(int peer, const std::string& reason)> on_peer_lost;
 };
 
+struct InlineTask;
+namespace detail {
+inline thread_local InlineTask* inline_slot = nullptr;  // the scope open on this thread, if any
+inline thread_local bool transport_thread = false;      // see mark_transport_thread()
+}  // namespace detail
+
 // ---- Leader/follower hand-off (optional for a policy) ---------------------------------------
 // A small call crosses four thread hand-offs: the callee's I/O thread wakes, posts the request to
 // a pool thread (a second wake-up), the reply wakes the caller's I/O thread, which wakes the
@@ -69,7 +75,14 @@ struct InlineTask {
 
   bool empty() const { return !run && first.empty(); }
   // Runs everything here, the library tasks first; one that throws does not stop the others.
+  // The thread is a worker meanwhile, not a reading thread (it let go of reading first): the
+  // tasks may send and block like any worker (on_transport_thread() is false inside).
   void run_here() {
+    struct WorkerScope {
+      bool was = detail::transport_thread;
+      WorkerScope() { detail::transport_thread = false; }
+      ~WorkerScope() { detail::transport_thread = was; }
+    } worker;
     for (auto& [f, fb] : first) run_one(f);
     first.clear();
     if (run) run_one(run);
@@ -100,11 +113,6 @@ struct InlineTask {
     }
   }
 };
-
-namespace detail {
-inline thread_local InlineTask* inline_slot = nullptr;  // the scope open on this thread, if any
-inline thread_local bool transport_thread = false;      // see mark_transport_thread()
-}  // namespace detail
 
 // A policy marks its own threads (readers, listeners) at their start. Library code that may
 // block on the network (a send waiting for back-pressure) must not run on them, nor inside their
@@ -163,6 +171,8 @@ class InlineScope {
   InlineScope& operator=(const InlineScope&) = delete;
 
   bool holds_task() const { return !slot_.empty(); }
+  // A request (not only library tasks) was offered.
+  bool holds_request() const { return static_cast<bool>(slot_.run); }
 
   // Stops accepting offers and returns what was offered (empty() when nothing was).
   InlineTask take() {

@@ -317,10 +317,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
                              "failed); use the tcp transport");
     }
     wake_efd_ = make_eventfd();
+    watch_efd_ = make_eventfd();
     listener_stop_ = make_eventfd();
     epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
     if (!epoll_) throw DistNetworkError("distrpc shm: epoll_create1 failed: " + errno_text(errno));
     watch(wake_efd_.get(), kWakeToken, EPOLLIN);
+    watch(watch_efd_.get(), kWatchToken, EPOLLIN);
     listen();
   }
 
@@ -419,6 +421,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
 
  private:
   static constexpr std::uint64_t kWakeToken = 0;
+  static constexpr std::uint64_t kWatchToken = ~std::uint64_t{0};
 
   std::string self_text() const {
     return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
@@ -994,15 +997,23 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // ---- who reads: the I/O threads, and callers waiting for a reply ----------------------------
   // One reader at a time holds lead_mu_: the rings are single-consumer, and ins_, watched_, ...
   // belong to the reader. The lead is taken with try_lock and given up without waking anybody,
-  // under one invariant: whenever nobody holds it, every ring is declared sleeping (ring.hpp),
-  // so the next record makes its writer signal wake_efd_, which wakes an idle I/O thread. So:
+  // under one invariant: whenever nobody holds it, either every ring is declared sleeping
+  // (ring.hpp), so the next record makes its writer signal wake_efd_, which wakes an idle I/O
+  // thread; or the rings were left unattended (leave_unattended()) and one idle I/O thread
+  // watches: it wakes every kWatchPeriod and takes the lead once a stretch lasted a whole
+  // period. A reader takes at most one request per turn (service()). So:
   // - a reader with nothing to read for spin_us_ declares the rings sleeping, looks once more,
   //   lets go of the lead and sleeps in epoll_wait (idle_wait) without handling anything there;
   // - a reader handed a task by on_message (a lone request) does the same and runs the task:
   //   reading resumes through the signal only if a record comes meanwhile, and otherwise no
   //   thread is woken at all (an eager hand-over to a parked thread cost one per call);
+  // - in a stream (records behind the task, or a watcher already up) it leaves the rings
+  //   unattended instead, runs the task and comes back for the next record: one thread serves
+  //   the stream with no wake-up per request, and a task that blocks delays the rest by about
+  //   one watch period, after which they are read and queued to the receiver's pool;
   // - a caller waiting for a reply (drive()) takes the lead while it is free and reads its reply
-  //   itself; a leader that sees a caller wanting it and has nothing to read lets go at once.
+  //   itself; a leader that sees a caller wanting it and has nothing to read lets go at once. A
+  //   caller leaving with replies still coming leaves the rings unattended too.
   // A thread woken from idle_wait that finds the lead taken consumes the signal, raises missed_
   // and tries once more; the holder, which may have looked at the rings just before the signal,
   // looks again after it lets go (settle()) and signals again only if a record is waiting. So a
@@ -1064,18 +1075,80 @@ class Impl : public std::enable_shared_from_this<Impl> {
   }
 
   // Sleeps until a writer's signal, a socket event or shutdown. Handles nothing: the thread that
-  // takes the lead next sees the same (level-triggered) events in poll_sockets().
+  // takes the lead next sees the same (level-triggered) events in poll_sockets(). While the
+  // rings are left unattended (leave_unattended()), one sleeping thread is the watcher: it wakes
+  // every kWatchPeriod and returns (to take the lead) once one unattended stretch lasted a whole
+  // period, so records never wait behind a task that blocks.
   void idle_wait() {
     std::array<epoll_event, 8> evs;
-    int n;
-    do {
-      n = ::epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
-    } while (n < 0 && errno == EINTR && !stopping_.load());
+    bool watcher = false;
+    std::uint64_t seq = 0;
+    const auto become_watcher = [&] {
+      bool none = false;
+      watcher = watching_.compare_exchange_strong(none, true);
+      seq = unattended_seq_.load();
+    };
+    const auto stop_watching = [&] {
+      if (watcher) watching_.store(false);
+      watcher = false;
+    };
+    for (;;) {
+      // Dekker with leave_unattended(): a thread stores watching_ (or holds it false) and then
+      // loads unattended_; that one stores unattended_ and then loads watching_. So either a
+      // thread watches, or that one signals watch_efd_.
+      if (!watcher && unattended_.load()) become_watcher();
+      const int n = wait_events(evs, watcher);
+      if (stopping_.load()) {
+        stop_watching();
+        return;
+      }
+      if (n == 0) {
+        // A watcher's period ended. One stretch left unattended all along: take the lead. No
+        // stretch at all: the stream is over, sleep until signalled.
+        const std::uint64_t now_seq = unattended_seq_.load();
+        if (now_seq == seq) {
+          const bool stuck = unattended_.load();
+          stop_watching();
+          if (stuck) return;
+        }
+        seq = now_seq;
+        continue;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        stop_watching();
+        return;
+      }
+      bool other = false;
+      for (int i = 0; i < n; ++i) {
+        if (evs[static_cast<std::size_t>(i)].data.u64 == kWatchToken) {
+          drain_eventfd(watch_efd_.get());
+          if (!watcher) become_watcher();  // asked to: a stream has begun
+        } else {
+          other = true;
+        }
+      }
+      if (other) {
+        stop_watching();
+        return;
+      }
+    }
+  }
+  int wait_events(std::array<epoll_event, 8>& evs, bool timed) {
+    if (!timed) return ::epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
+    timespec ts{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kWatchPeriod).count()};
+    const int n =
+        ::epoll_pwait2(epoll_.get(), evs.data(), static_cast<int>(evs.size()), &ts, nullptr);
+    if (n < 0 && errno == ENOSYS) {  // before Linux 5.11: millisecond resolution
+      return ::epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), 1);
+    }
+    return n;
   }
 
   // Declares every ring sleeping, then looks once more (ring.hpp): true when something came in
   // meanwhile, and then the rings are awake again. With the lead held.
   bool sleep_rings_or_ready() {
+    unattended_.store(false, std::memory_order_relaxed);  // the lead is held: attended
     for (auto& c : ins_) c->reader.declare_sleeping();
     std::atomic_thread_fence(std::memory_order_seq_cst);
     bool ready = changes_.load(std::memory_order_acquire);
@@ -1089,8 +1162,44 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (ready) wake_rings();
     return ready;
   }
+  // With a task in hand: true once the other I/O thread is not running one (any more). A short
+  // task (an RRef protocol step, a small handler) is waited for, briefly: the task in hand then
+  // runs here too instead of waking a pool thread.
+  bool other_task_done() {
+    if (!running_task_.load()) return true;
+    // Measured from the start of that task: one that runs long already (a blocked handler)
+    // costs each request read meanwhile no wait at all.
+    const auto until = Clock::time_point(Clock::duration(task_started_.load())) + kTaskWait;
+    while (running_task_.load()) {
+      if (Clock::now() >= until || stopping_.load(std::memory_order_relaxed)) return false;
+      ::sched_yield();
+    }
+    return true;
+  }
+
+  // Whether a ring holds a record now (with the lead held; the rings stay as declared).
+  bool rings_ready() {
+    for (auto& c : ins_) {
+      try {
+        if (c->reader.available() > 0) return true;
+      } catch (const RingCorrupt&) {
+        return true;  // service() reports it
+      }
+    }
+    return false;
+  }
   void wake_rings() {
+    unattended_.store(false, std::memory_order_relaxed);  // the lead is held: attended
     for (auto& c : ins_) c->reader.clear_sleeping();
+  }
+
+  // With the lead held and records waiting, about to let go of it without declaring the rings
+  // sleeping (a stream; the holder runs a task or returns to its caller): the other I/O thread
+  // watches from now on, and takes over if this lasts a whole kWatchPeriod (idle_wait()).
+  void leave_unattended() {
+    unattended_seq_.fetch_add(1);
+    unattended_.store(true);
+    if (!watching_.load()) signal_eventfd(watch_efd_.get());  // wakes a thread to watch
   }
 
   // Reads every ring once (with the lead held); true if anything came.
@@ -1123,9 +1232,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
       }
       if (scope.holds_task()) {
         // Run it on this thread unless the other one is running a task already (then it goes
-        // to the receiver's pool and this thread reads on). A record that came meanwhile means
-        // a stream: the next service() queues the task and reading goes on.
-        if (running_task_.load() || sleep_rings_or_ready()) continue;
+        // to the receiver's pool when the scope closes, and this thread reads on). A record
+        // that came meanwhile means a stream: the rings stay awake, unattended, while the other
+        // I/O thread watches (see idle_wait()).
+        if (!other_task_done()) continue;
+        if (rings_ready() || watching_.load() || sleep_rings_or_ready()) leave_unattended();
+        task_started_.store(Clock::now().time_since_epoch().count());
         running_task_.store(true);
         return scope.take();
       }
@@ -1163,15 +1275,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
       InlineScope scope;  // a request read here is queued when the scope closes
       if (!service_all(scope)) ::sched_yield();
     }
-    // Hand the lead back as found; a record that came meanwhile wakes an I/O thread for it.
+    // Hand the lead back as found. Records that came meanwhile (a stream of replies) are left
+    // unattended: this caller is likely back soon, and the watcher takes over if it is not.
     if (!lead.owns_lock()) return;
-    const bool ready = sleep_rings_or_ready();
+    if (sleep_rings_or_ready()) leave_unattended();
     lead.unlock();
-    if (ready) {
-      signal_eventfd(wake_efd_.get());
-    } else {
-      settle(lead);
-    }
+    settle(lead);
   }
 
  private:
@@ -1217,6 +1326,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
         if (!stopping_.load()) drain_eventfd(wake_efd_.get());
         continue;
       }
+      if (token == kWatchToken) {
+        drain_eventfd(watch_efd_.get());  // the lead is held: nothing to watch
+        continue;
+      }
       auto it = watched_.find(token);
       if (it == watched_.end()) continue;
       Watched w = it->second;
@@ -1234,9 +1347,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (!c->hung_up) return;
     // Deliver what the peer completed before it went away, then report it.
     InlineScope scope;  // what the last records hand back is queued: the peer is gone
-    while (service(c, scope)) {
-      if (stopping_.load()) return;
+    for (;;) {
+      scope.release_to_fallback();  // service() reads on only without a request in hand
+      if (!service(c, scope) || stopping_.load()) break;
     }
+    if (stopping_.load()) return;
     if (!is_in_watched(token)) return;  // service() dropped it already
     lose_in(c, token,
             c->mid_record() ? "connection closed by peer in the middle of a message (its process "
@@ -1326,9 +1441,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return done;
   }
 
-  // Reads what the ring holds; true if it made progress. Drops the connection on any violation.
-  // A task on_message hands back is kept in `scope` only while nothing follows it: more bytes
-  // (a stream of calls) queue it at once, so it never waits behind later records.
+  // Reads what the ring holds, up to the first request on_message hands back (kept in `scope`);
+  // true if it made progress or left bytes for later. Drops the connection on any violation.
   bool service(std::shared_ptr<InConn> cp, InlineScope& scope) {
     InConn& c = *cp;
     bool progress = false;
@@ -1337,7 +1451,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (avail == 0) return false;
       progress = true;
       while (avail > 0) {
-        scope.release_to_fallback();
+        // One request per turn: the records after it are read by whoever leads next (see
+        // io_main), while this thread may run it.
+        if (scope.holds_request()) break;
         switch (c.stage) {
           case InConn::Stage::Record: {
             c.record_filled += take(c, c.record.data() + c.record_filled,
@@ -1580,6 +1696,16 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<bool> running_task_{false};    // an I/O thread runs a handed-back task
   std::atomic<bool> lead_wanted_{false};     // a caller in drive() waits for the lead
   std::atomic<bool> missed_{false};          // a woken I/O thread found the lead taken
+  // Records may wait while nobody holds the lead (leave_unattended()); counted per stretch.
+  std::atomic<bool> unattended_{false};
+  std::atomic<std::uint64_t> unattended_seq_{0};
+  std::atomic<bool> watching_{false};  // a sleeping I/O thread wakes every kWatchPeriod
+  Fd watch_efd_;                       // wakes a sleeping I/O thread to become the watcher
+  // How long records may wait unattended before the watcher reads them: the time a task that
+  // blocks (or a caller that went away) delays the records behind it.
+  static constexpr auto kWatchPeriod = std::chrono::microseconds(100);
+  static constexpr auto kTaskWait = std::chrono::microseconds(20);  // see other_task_done()
+  std::atomic<Clock::rep> task_started_{0};                         // when running_task_ began
 };
 
 }  // namespace shm_detail

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +81,10 @@ inline void check_new_ring(const char* base, std::uint64_t capacity) {
     throw wire::ProtocolError("a new shared ring does not start empty");
   }
 }
+
+// How long a writer waits for a reader declared sleeping to wake its ring by itself before it
+// signals (RingWriter::publish()).
+inline constexpr auto kWakeGrace = std::chrono::microseconds(3);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -162,6 +167,16 @@ class RingWriter : public RingBase {
     h_->tail.store(tail_, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (h_->reader_sleeping.load(std::memory_order_relaxed) == 0) return false;
+    // A reader about to read anyway (a caller that sent a request and starts polling for the
+    // reply just after it came) clears the flag itself within a moment: give it that moment
+    // before paying for a signal and the wake-up of one of its threads.
+    const auto until = std::chrono::steady_clock::now() + kWakeGrace;
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (h_->reader_sleeping.load(std::memory_order_relaxed) == 0) return false;
+        cpu_relax();
+      }
+    } while (std::chrono::steady_clock::now() < until);
     // One wake per sleep: several publishes before the reader wakes cost one syscall.
     return h_->reader_sleeping.exchange(0, std::memory_order_relaxed) != 0;
   }
