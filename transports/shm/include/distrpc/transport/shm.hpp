@@ -1243,7 +1243,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
       }
       if (progress) {
         last_activity = now;
-        continue;
+        // A caller polling for its reply (drive()) wants the lead: hand it the stream rather
+        // than read its reply here and wake it (the rings stay awake for it; the watcher
+        // covers a caller that is gone by then).
+        if (!lead_wanted_.exchange(false)) continue;
+        leave_unattended();
+        return {};
       }
       // Idle: past the spin, or at once when a waiting caller wants to read its reply itself.
       if (now - last_activity < spin && !lead_wanted_.exchange(false)) {
