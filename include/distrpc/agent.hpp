@@ -90,18 +90,11 @@ class RpcAgent : public detail::RRefHost,
   const RpcBackendOptions& options() const { return options_; }
   virtual std::string transport_name() const = 0;
 
-  // Before a blocking entry point sleeps on `f`: polls it for up to sync_wait_spin, reading the
-  // transport itself meanwhile where the policy can (transport.hpp, drive()), so a small call's
-  // reply is picked up by the thread that waits for it instead of waking two more.
-  template <class F>
-  void poll_reply(const F& f) {
-    if (!f.done()) poll_for([&f] { return f.done(); });
-  }
-  void poll_for(const std::function<bool()>& done) {
-    drive_wait(done, std::chrono::steady_clock::time_point::max());
-  }
-  // The same for a thread about to sleep in wait() on a future this agent handed out
-  // (detail::set_wait_driver), bounded by the wait's own deadline.
+  // Before a thread sleeps waiting for `done` (a future this agent handed out, through
+  // detail::set_wait_driver, or RRefHost::host_poll): polls it for up to sync_wait_spin, bounded
+  // by the wait's own deadline, reading the transport itself meanwhile where the policy can
+  // (transport.hpp, drive()), so a small call's reply is picked up by the thread that waits for
+  // it instead of waking two more.
   void drive_wait(const std::function<bool()>& done,
                   std::chrono::steady_clock::time_point until) override {
     const auto budget = options_.sync_wait_spin;
@@ -433,7 +426,9 @@ class RpcAgent : public detail::RRefHost,
     std::lock_guard<std::mutex> lk(calls_mu_);
     --counters_.protocol_pending;
   }
-  void host_poll(const std::function<bool()>& done) override { poll_for(done); }
+  void host_poll(const std::function<bool()>& done) override {
+    drive_wait(done, std::chrono::steady_clock::time_point::max());
+  }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
   detail::ExecutorFn host_user_executor() override {
     return [this](std::function<void()> fn) {

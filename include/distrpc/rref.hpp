@@ -128,8 +128,7 @@ class RRef {
     // and wakes a reading thread (costlier than the round trip saved): wait briefly for the
     // creation first, reading its reply here.
     ctx->poll_reply(i.created);
-    auto reply = ctx->fetch(impl_, timeout);
-    ctx->poll_reply(reply);
+    auto reply = ctx->fetch(impl_, timeout);  // value() below polls for it first
     const wire::Message& m = reply.value();
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};

@@ -387,10 +387,9 @@ class RemoteModule
     return typed;
   }
 
-  // forward(): as rpc_sync, poll for the reply briefly before sleeping (sync_wait_spin).
+  // forward(): as rpc_sync; waiting on the reply polls for it first (the future's wait driver).
   result_type call_sync(args_tuple&& args) const {
     auto f = call(std::move(args));
-    ::distrpc::detail::current_agent()->poll_reply(f);
     if constexpr (std::is_void_v<result_type>) {
       f.value();
     } else {

@@ -521,9 +521,11 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     wire::Message m;
     wire::encode(m, impl->id, impl->type_hash);
-    return host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch),
-                                   std::move(m), host_.host_timeout(timeout),
-                                   "to_here() of " + impl->str());
+    auto reply =
+        host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch), std::move(m),
+                                host_.host_timeout(timeout), "to_here() of " + impl->str());
+    detail::set_wait_driver(reply, host_.host_wait_driver());
+    return reply;
   }
 
   Future<std::string> type_query(const ImplPtr& impl, std::chrono::milliseconds timeout) {
