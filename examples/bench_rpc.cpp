@@ -9,7 +9,8 @@
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
 // async_small_cps  completed calls per second with 64 small rpc_async in flight
 // idle_cpu_pct     CPU used by the idle 2-worker group (both processes) over 1 s, in % of one core
-// remote_to_here_us median of remote(ident, tensor of 4 floats) then to_here() (two round trips)
+// remote_to_here_us median of remote(ident, tensor of 4 floats) then to_here() (the fetch goes
+//                  along with the remote() call: one round trip, two requests answered)
 // remote_fwd_us    median RemoteModule<torch::nn::Linear(64,64)>.forward round trip, input 8x64
 // local_fwd_us     median forward of the same Linear(64,64) on the same input, in this process
 //                  (the target: remote_fwd_us <= 1.2 x (echo_small_us + local_fwd_us))

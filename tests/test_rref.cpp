@@ -887,6 +887,52 @@ DISTRPC_MP_TEST("rref: remote exceptions through to_here and type queries; bad d
   distrpc::shutdown();
 }
 
+// to_here() right after remote() sends its fetch along, before the owner confirmed the creation
+// (one round trip). When the owner refuses the call before running it (here a signature
+// mismatch, through the raw path: an SPMD binary registers everything it calls), the fetch must
+// fail with the creation, at once and not at its timeout, and the owner must keep nothing for
+// it, whether the fetch reached the owner before the refusal or after.
+DISTRPC_MP_TEST("rref: to_here() right after a remote() the owner refuses fails with the creation",
+                2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto agent = distrpc::detail::current_agent();
+    for (int i = 0; i < 20; ++i) {
+      distrpc::RequestHeader h;
+      h.name = std::string(distrpc::detail::function_name<&add_ints>());
+      h.signature = 12345;  // not add_ints's
+      const std::tuple<int, int> packed{1, 2};
+      auto r = distrpc::detail::remote_packed<int>(agent, agent->worker(1), {}, h, packed,
+                                                   "raw remote()");
+      const auto t0 = Clock::now();
+      std::string text;
+      try {
+        (void)r.to_here(10s);
+      } catch (const distrpc::RpcError& e) {
+        text = e.what();
+      }
+      CHECK(contains(text, "Error occurred during RRef creation"));
+      CHECK(contains(text, "signature mismatch"));
+      CHECK(Clock::now() - t0 < 5s);  // not the fetch's own 10 s timeout
+      CHECK_FALSE(r.confirmed_by_owner());
+    }
+    // The type query of one goes the same way.
+    distrpc::RequestHeader h;
+    h.name = std::string(distrpc::detail::function_name<&add_ints>());
+    h.signature = 12345;
+    auto r = distrpc::detail::remote_packed<int>(agent, agent->worker(1), {}, h,
+                                                 std::tuple<int, int>{1, 2}, "raw remote()");
+    CHECK_THROWS_WITH(r.type_name(), doctest::Contains("signature mismatch"));
+    // A good one right after still works, in one round trip or two.
+    CHECK(distrpc::remote<&add_ints>("worker1", 2, 3).to_here() == 5);
+  }
+  distrpc::barrier();
+  // The owner holds no cell for the refused calls (nor for the good one, released).
+  if (ctx.rank == 1) CHECK(owners_and_forks(0, 0));
+  CHECK(flushed());
+  distrpc::shutdown();
+}
+
 // ---- scenarios 19-21 with RRefs: barriers, all-gather and shutdown under RRef traffic --------
 
 DISTRPC_MP_TEST("rref: graceful shutdown with RRef traffic in flight everywhere", 4, 60) {

@@ -823,6 +823,14 @@ TEST_CASE("auto: addresses round-trip and malformed ones are refused, naming the
                        DistNetworkError);
   CHECK_THROWS_WITH_AS(a.ctx->send(1, make_message(MessageType::Request, 1, "x")),
                        doctest::Contains("worker 1"), DistNetworkError);
+  // Refused peers count for no candidate, and with no peer at all a waiting caller has nothing
+  // to read: drive() returns at once instead of polling until its deadline.
+  CHECK(a.ctx->peers_using("shm") == 0);
+  CHECK(a.ctx->peers_using("tcp") == 0);
+  CHECK(a.ctx->peers_using("ib") == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  a.ctx->drive([] { return false; }, t0 + 5s);
+  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
 }
 
 TEST_CASE("auto: peers of one host use shm") {
@@ -830,6 +838,9 @@ TEST_CASE("auto: peers of one host use shm") {
   introduce(a, 0, b, 1);
   CHECK(a.ctx->transport_for(1) == "shm");
   CHECK(b.ctx->transport_for(0) == "shm");
+  // A waiting caller reads shm only (tcp has no peer here).
+  CHECK(a.ctx->peers_using("shm") == 1);
+  CHECK(a.ctx->peers_using("tcp") == 0);
   a.ctx->send(1, make_message(MessageType::Request, 1, "via shm", {pattern_bytes(200000, 1)}));
   b.ctx->send(0, make_message(MessageType::Response, 1, "back"));
   REQUIRE(b.inbox.wait_messages(1));
@@ -850,6 +861,8 @@ TEST_CASE("auto: peers whose shm domain keys differ (forced) use tcp") {
   introduce(a, 0, b, 1);
   CHECK(a.ctx->transport_for(1) == "tcp");
   CHECK(b.ctx->transport_for(0) == "tcp");
+  CHECK(a.ctx->peers_using("tcp") == 1);
+  CHECK(a.ctx->peers_using("shm") == 0);
   a.ctx->send(1, make_message(MessageType::Request, 1, "via tcp", {pattern_bytes(200000, 2)}));
   b.ctx->send(0, make_message(MessageType::Response, 1, "back"));
   REQUIRE(b.inbox.wait_messages(1));

@@ -91,7 +91,7 @@ class RpcAgent : public detail::RRefHost,
   virtual std::string transport_name() const = 0;
 
   // Before a thread sleeps waiting for `done` (a future this agent handed out, through
-  // detail::set_wait_driver, or RRefHost::host_poll): polls it for up to sync_wait_spin, bounded
+  // detail::set_wait_driver): polls it for up to sync_wait_spin, bounded
   // by the wait's own deadline, reading the transport itself meanwhile where the policy can
   // (transport.hpp, drive()), so a small call's reply is picked up by the thread that waits for
   // it instead of waking two more.
@@ -425,9 +425,6 @@ class RpcAgent : public detail::RRefHost,
   void host_protocol_end() override {
     std::lock_guard<std::mutex> lk(calls_mu_);
     --counters_.protocol_pending;
-  }
-  void host_poll(const std::function<bool()>& done) override {
-    drive_wait(done, std::chrono::steady_clock::time_point::max());
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
   detail::ExecutorFn host_user_executor() override {
@@ -776,7 +773,13 @@ class RpcAgent : public detail::RRefHost,
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
+    const bool unrun_remote = h.mode == CallMode::remote && result.has_error();
+    std::exception_ptr error = unrun_remote ? result.exception_ptr() : nullptr;
     reply_when_done(peer, id, h.name, counted, std::move(result));
+    // A remote() that never ran (run_remote() keeps the value's own failures in the RRef): a
+    // fetch its creator sent along must not wait for it. After the reply, so the creator learns
+    // of the failed creation before the fetch's answer.
+    if (unrun_remote) rref_ctx_->remote_not_run(peer, h.rref_id, std::move(error));
   }
 
   // An RRef protocol message (on the callback pool).

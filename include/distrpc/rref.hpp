@@ -123,12 +123,16 @@ class RRef {
     throw_if_creation_failed();
     auto ctx = i.ctx.lock();
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
-    // A fetch that overtakes the remote() call waits on the owner until the value exists. But
-    // sent while the creation's reply is on its way, that reply finds this process not reading
-    // and wakes a reading thread (costlier than the round trip saved): wait briefly for the
-    // creation first, reading its reply here.
-    ctx->poll_reply(i.created);
-    auto reply = ctx->fetch(impl_, timeout);  // value() below polls for it first
+    // Not waiting for the owner's confirmation first: a fetch that overtakes its remote() call
+    // waits on the owner until the value exists, and fails here with the creation if that fails.
+    auto reply =
+        i.created.done() ? ctx->fetch(impl_, timeout) : ctx->fetch_unconfirmed(impl_, timeout);
+    try {
+      reply.wait();  // polls for the reply first (the future's wait driver)
+    } catch (...) {
+      throw_if_creation_failed();
+      throw;
+    }
     const wire::Message& m = reply.value();
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};

@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -108,8 +109,6 @@ class RRefHost {
   virtual void host_protocol_end() = 0;
   // Where user callbacks of futures handed to the user run.
   virtual ExecutorFn host_user_executor() = 0;
-  // Polls done() before a blocking call sleeps (RpcBackendOptions::sync_wait_spin).
-  virtual void host_poll(const std::function<bool()>& done) = 0;
   // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
   virtual std::weak_ptr<WaitDriver> host_wait_driver() = 0;
 
@@ -177,6 +176,9 @@ struct RRefImpl {
   std::atomic<bool> skip_delete{false};  // user: the owner never recorded this fork, or is gone
   mutable std::mutex mu;
   std::exception_ptr creation_error;  // user: remote() failed to reach the owner in time
+  // User: fetches sent before the owner confirmed the creation, failed with it if it fails
+  // (the owner may then never have run the call).
+  std::vector<Future<wire::Message>> early_fetches;
   std::optional<Future<std::string>> type_future;
 
   RRefImpl() = default;
@@ -283,8 +285,10 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
         if (error) impl->cell->set_error(error);
         if (self) self->erase_if_unforked(impl->id);
       } else {
+        std::vector<Future<wire::Message>> early;
         if (error) {
           std::lock_guard<std::mutex> lk(impl->mu);
+          early.swap(impl->early_fetches);
           impl->creation_error = error;
           // A timed-out creation may still happen on the owner (who then records the fork);
           // any other failure means the owner never recorded it.
@@ -296,8 +300,11 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
           }
         } else {
           impl->confirmed = true;
+          std::lock_guard<std::mutex> lk(impl->mu);
+          impl->early_fetches.clear();
         }
         if (self) self->drop_pending_user(impl->fork_id);
+        for (auto& f : early) f.try_set_exception(error);
       }
       if (error) {
         created.try_set_exception(error);
@@ -448,6 +455,33 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     });
   }
 
+  // A remote() request from `peer` failed before run_remote() recorded it (an unknown function, a
+  // signature mismatch): its creator sees the failure in the creation reply and never deletes
+  // the fork. A fetch (or type query) it sent along before that reply came may have made a cell
+  // meanwhile, or may still come: fail the cell and forget it, or remember the failure for the
+  // query still to come (the kMaxUnrunRemotes most recent ones).
+  void remote_not_run(int peer, const RRefId& id, std::exception_ptr error) {
+    if (!id.valid() || id.created_on != peer) return;
+    CellPtr failed;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto f = forks_.find(id);
+      if (f != forks_.end() && !f->second.empty()) return;  // recorded after all
+      auto o = owners_.find(id);
+      if (o != owners_.end()) {
+        failed = std::move(o->second);
+        owners_.erase(o);
+      } else if (unrun_remotes_.emplace(id, error).second) {
+        unrun_order_.push_back(id);
+        if (unrun_order_.size() > kMaxUnrunRemotes) {
+          unrun_remotes_.erase(unrun_order_.front());
+          unrun_order_.pop_front();
+        }
+      }
+    }
+    if (failed) failed->set_error(error);
+  }
+
   // A control message (on the callback pool). The returned future holds the reply.
   Future<wire::Message> handle_control(int peer, RRefControl kind, const wire::Message& m) {
     switch (kind) {
@@ -477,7 +511,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
         RRefId id;
         std::uint64_t type_hash = 0;
         wire::decode(m, id, type_hash);
-        auto cell = find_or_make_cell(id);
+        std::exception_ptr unrun;
+        auto cell = cell_for_query(id, unrun);
+        if (unrun) return make_exceptional_future<wire::Message>(unrun);
         auto ctx = shared_from_this();
         return cell->ready.then([cell, ctx, peer, type_hash](const Future<void>& done) {
           done.wait();
@@ -493,7 +529,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       case RRefControl::TypeQuery: {
         RRefId id;
         wire::decode(m, id);
-        auto cell = find_or_make_cell(id);
+        std::exception_ptr unrun;
+        auto cell = cell_for_query(id, unrun);
+        if (unrun) return make_exceptional_future<wire::Message>(unrun);
         return cell->ready.then([cell](const Future<void>& done) {
           done.wait();
           return detail::response_with(cell->ops->type_name);
@@ -513,11 +551,6 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
 
   // ---- user operations -------------------------------------------------------------------------
 
-  template <class F>
-  void poll_reply(const F& f) {
-    if (!f.done()) host_.host_poll([&f] { return f.done(); });
-  }
-
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     wire::Message m;
     wire::encode(m, impl->id, impl->type_hash);
@@ -526,6 +559,26 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
                                 host_.host_timeout(timeout), "to_here() of " + impl->str());
     detail::set_wait_driver(reply, host_.host_wait_driver());
     return reply;
+  }
+
+  // A fetch sent before the owner confirmed the creation (to_here() right after remote(): one
+  // round trip instead of two, the owner answers once the value exists). Its future also fails
+  // as soon as the creation does: the owner may never have run the call.
+  Future<wire::Message> fetch_unconfirmed(const ImplPtr& impl, std::chrono::milliseconds timeout) {
+    auto reply = fetch(impl, timeout);
+    Future<wire::Message> out;
+    detail::set_wait_driver(out, host_.host_wait_driver());
+    {
+      std::lock_guard<std::mutex> lk(impl->mu);
+      if (impl->creation_error) {
+        out.try_set_exception(impl->creation_error);
+        return out;
+      }
+      // finish_remote() sets `confirmed` and then clears the list under this lock.
+      if (!impl->confirmed.load()) impl->early_fetches.push_back(out);
+    }
+    reply.add_done_callback([out](const Future<wire::Message>& r) { detail::copy_result(r, out); });
+    return out;
   }
 
   Future<std::string> type_query(const ImplPtr& impl, std::chrono::milliseconds timeout) {
@@ -708,8 +761,14 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     return c;
   }
 
-  CellPtr find_or_make_cell(const RRefId& id) {
+  // The cell a fetch or type query waits on; none, and `unrun` set, for a remote() that failed
+  // before it ran (remote_not_run()).
+  CellPtr cell_for_query(const RRefId& id, std::exception_ptr& unrun) {
     std::lock_guard<std::mutex> lk(mu_);
+    if (auto u = unrun_remotes_.find(id); u != unrun_remotes_.end()) {
+      unrun = u->second;
+      return nullptr;
+    }
     return cell_locked(id);
   }
 
@@ -898,6 +957,10 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   std::map<RRefId, std::map<ForkId, int>> forks_;  // fork -> the worker holding it
   std::size_t forks_total_ = 0;
   std::map<RRefId, std::set<ForkId>> early_deletes_;
+  // remote() calls that failed before they ran, for the fetches their creators sent along.
+  static constexpr std::size_t kMaxUnrunRemotes = 1024;
+  std::map<RRefId, std::exception_ptr> unrun_remotes_;
+  std::deque<RRefId> unrun_order_;
   std::map<ForkId, PendingUser> pending_users_;
   std::map<ForkId, PendingChild> pending_children_;
   std::map<ForkId, std::weak_ptr<Impl>> users_;

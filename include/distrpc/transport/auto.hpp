@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <cstddef>
@@ -221,6 +222,8 @@ struct Auto {
           add_to<0>(index, id, name, other.address);
           std::lock_guard<std::mutex> lk(state_->mu);
           auto& ps = state_->peers[id];
+          if (ps.chosen >= 0) --in_use_[static_cast<std::size_t>(ps.chosen)];
+          ++in_use_[static_cast<std::size_t>(index)];
           ps.chosen = index;
           ps.lost_reported = false;
           return;
@@ -280,29 +283,50 @@ struct Auto {
     // As above, with the default bound (kDefaultShutdownGrace).
     void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
-    // Lets each candidate that can read on the calling thread do so, in turns of a few
-    // microseconds (transport.hpp): the reply may come through any of them.
+    // Lets the candidates that some peer uses read on the calling thread (transport.hpp): the
+    // only one for the whole wait when all peers use the same, else each in turns of a few
+    // microseconds, since the reply may come through any of them. A candidate no peer uses has
+    // nothing to read: a turn there would only leave the one in use unread meanwhile, and then
+    // a reply arriving in that turn wakes one of its threads (the cost drive() exists to avoid).
     void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+      std::size_t used = 0;
+      for (const auto& n : in_use_) used += n.load(std::memory_order_relaxed) > 0 ? 1 : 0;
+      if (used == 0) return;
       while (!done() && std::chrono::steady_clock::now() < until) {
-        std::apply([&](auto&... c) { (drive_one(c, done, until), ...); }, contexts_);
+        drive_each(std::make_index_sequence<N>{}, done, until, used > 1);
       }
     }
 
+    // How many registered peers use each candidate (for tests and diagnostics).
+    std::size_t peers_using(std::string_view candidate) const {
+      const int index = index_of(std::string(candidate));
+      return index < 0 ? 0
+                       : static_cast<std::size_t>(in_use_[static_cast<std::size_t>(index)].load());
+    }
+
    private:
+    template <std::size_t... I>
+    void drive_each(std::index_sequence<I...>, const std::function<bool()>& done,
+                    std::chrono::steady_clock::time_point until, bool in_turns) {
+      (drive_one<I>(done, until, in_turns), ...);
+    }
+    template <std::size_t I>
+    void drive_one(const std::function<bool()>& done, std::chrono::steady_clock::time_point until,
+                   bool in_turns) {
+      auto& c = std::get<I>(contexts_);
+      if (!c || in_use_[I].load(std::memory_order_relaxed) == 0 || done()) return;
+      using C = typename std::tuple_element_t<I, Contexts>::element_type;
+      if constexpr (has_drive<C>) {
+        c->drive(done, in_turns ? std::min(until, std::chrono::steady_clock::now() + kDriveSlice)
+                                : until);
+      } else {
+        std::this_thread::yield();
+      }
+    }
     template <class C>
     static std::size_t shutdown_one(std::unique_ptr<C>& c,
                                     std::chrono::steady_clock::time_point deadline) {
       return c ? shutdown_until(*c, deadline) : 0;
-    }
-    template <class C>
-    static void drive_one(std::unique_ptr<C>& c, const std::function<bool()>& done,
-                          std::chrono::steady_clock::time_point until) {
-      if (!c || done()) return;
-      if constexpr (has_drive<C>) {
-        c->drive(done, std::min(until, std::chrono::steady_clock::now() + kDriveSlice));
-      } else {
-        std::this_thread::yield();
-      }
     }
     static constexpr auto kDriveSlice = std::chrono::microseconds(20);
 
@@ -380,6 +404,7 @@ struct Auto {
     int self_;
     std::shared_ptr<State> state_;
     Contexts contexts_;
+    std::array<std::atomic<int>, N> in_use_{};  // peers per candidate (under state_->mu to write)
     std::vector<auto_detail::Entry> entries_;
     std::string address_;
   };
