@@ -773,13 +773,13 @@ class RpcAgent : public detail::RRefHost,
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
-    const bool unrun_remote = h.mode == CallMode::remote && result.has_error();
-    std::exception_ptr error = unrun_remote ? result.exception_ptr() : nullptr;
-    reply_when_done(peer, id, h.name, counted, std::move(result));
     // A remote() that never ran (run_remote() keeps the value's own failures in the RRef): a
     // fetch its creator sent along must not wait for it. After the reply, so the creator learns
     // of the failed creation before the fetch's answer.
-    if (unrun_remote) rref_ctx_->remote_not_run(peer, h.rref_id, std::move(error));
+    std::exception_ptr unrun =
+        h.mode == CallMode::remote && result.has_error() ? result.exception_ptr() : nullptr;
+    reply_when_done(peer, id, h.name, counted, std::move(result));
+    if (unrun) rref_ctx_->remote_not_run(peer, h.rref_id, std::move(unrun));
   }
 
   // An RRef protocol message (on the callback pool).

@@ -125,8 +125,7 @@ class RRef {
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
     // Not waiting for the owner's confirmation first: a fetch that overtakes its remote() call
     // waits on the owner until the value exists, and fails here with the creation if that fails.
-    auto reply =
-        i.created.done() ? ctx->fetch(impl_, timeout) : ctx->fetch_unconfirmed(impl_, timeout);
+    auto reply = ctx->fetch_value(impl_, timeout);
     try {
       reply.wait();  // polls for the reply first (the future's wait driver)
     } catch (...) {

@@ -465,13 +465,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     CellPtr failed;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      auto f = forks_.find(id);
-      if (f != forks_.end() && !f->second.empty()) return;  // recorded after all
-      auto o = owners_.find(id);
-      if (o != owners_.end()) {
-        failed = std::move(o->second);
-        owners_.erase(o);
-      } else if (unrun_remotes_.emplace(id, error).second) {
+      if (auto f = forks_.find(id); f != forks_.end() && !f->second.empty()) return;  // recorded
+      failed = erase_unforked_locked(id);
+      if (!failed && unrun_remotes_.emplace(id, error).second) {
         unrun_order_.push_back(id);
         if (unrun_order_.size() > kMaxUnrunRemotes) {
           unrun_remotes_.erase(unrun_order_.front());
@@ -561,22 +557,24 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     return reply;
   }
 
-  // A fetch sent before the owner confirmed the creation (to_here() right after remote(): one
-  // round trip instead of two, the owner answers once the value exists). Its future also fails
-  // as soon as the creation does: the owner may never have run the call.
-  Future<wire::Message> fetch_unconfirmed(const ImplPtr& impl, std::chrono::milliseconds timeout) {
+  // to_here()'s fetch, sent without waiting for the owner to confirm the creation (right after
+  // remote(): one round trip instead of two, the owner answers once the value exists). While the
+  // creation is unconfirmed, the future also fails as soon as the creation does: the owner may
+  // never have run the call.
+  Future<wire::Message> fetch_value(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     auto reply = fetch(impl, timeout);
     Future<wire::Message> out;
-    detail::set_wait_driver(out, host_.host_wait_driver());
     {
       std::lock_guard<std::mutex> lk(impl->mu);
+      // Created (a confirmed remote(), a fork): nothing to wait for besides the reply.
+      if (impl->created.done()) return reply;
       if (impl->creation_error) {
         out.try_set_exception(impl->creation_error);
         return out;
       }
-      // finish_remote() sets `confirmed` and then clears the list under this lock.
-      if (!impl->confirmed.load()) impl->early_fetches.push_back(out);
+      impl->early_fetches.push_back(out);
     }
+    detail::set_wait_driver(out, host_.host_wait_driver());
     reply.add_done_callback([out](const Future<wire::Message>& r) { detail::copy_result(r, out); });
     return out;
   }
