@@ -311,6 +311,10 @@ DISTRPC_MP_TEST("tcp: two processes echo messages with tensors", 2, 90) {
   ctx.publish("addr" + std::to_string(ctx.rank), ctx_ptr->address());
   const int other = 1 - ctx.rank;
   ctx_ptr->add_peer(other, "w" + std::to_string(other), ctx.lookup("addr" + std::to_string(other)));
+  // Rank 1 answers on its own connection, which needs the address add_peer() gives: rank 0 waits
+  // for it, as the agent holds early requests until its worker table is read.
+  ctx.publish("added" + std::to_string(ctx.rank), "1");
+  ctx.lookup("added" + std::to_string(other));
   constexpr int kCount = 200;
   if (ctx.rank == 0) {
     for (int i = 0; i < kCount; ++i) {
@@ -378,6 +382,28 @@ TEST_CASE("tcp: an unknown peer and a peer answering with another identity are r
   CHECK(contains(text, "worker 2 ('w2')"));
   CHECK(contains(text, "reached worker 1 ('w1')"));
   CHECK(b.inbox.message_count() == 0);
+}
+
+TEST_CASE("tcp: a peer that reached us is answered only once add_peer() named it") {
+  Node a(0), b(1);
+  a.ctx->add_peer(1, "w1", b.ctx->address());
+  a.ctx->send(1, make_message(MessageType::Request, 1, "early"));
+  REQUIRE(b.inbox.wait_messages(1, 10s));
+  // b has a connection from worker 0 but no address for it: a clear refusal, nothing sent.
+  std::string text;
+  try {
+    b.ctx->send(0, make_message(MessageType::Response, 1, "reply"));
+  } catch (const DistNetworkError& e) {
+    text = e.what();
+  }
+  CHECK(contains(text, "worker 0 ('w0')"));
+  CHECK(contains(text, "add_peer() was not called for it"));
+  b.ctx->add_peer(0, "w0", a.ctx->address());
+  b.ctx->send(0, make_message(MessageType::Response, 1, "reply"));
+  REQUIRE(a.inbox.wait_messages(1, 10s));
+  CHECK(a.inbox.take(0).payload == "reply");
+  CHECK(a.inbox.lost_count() == 0);
+  CHECK(b.inbox.lost_count() == 0);
 }
 
 TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps working") {

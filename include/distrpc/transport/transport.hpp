@@ -198,6 +198,10 @@ class InlineScope {
 //     Context(const TransportOptions&, TransportCallbacks);
 //     std::string address() const;               published in the store for peers to reach us
 //     void add_peer(int id, const std::string& name, const std::string& address);
+//                                                send() to a peer needs it first, even to answer
+//                                                a peer that already reached us: messages may
+//                                                arrive before it (the agent holds them until
+//                                                its worker table is read)
 //     void send(int peer, wire::Message&& m);    thread-safe; in order per peer; may block for
 //                                                back-pressure; throws DistNetworkError when the
 //                                                peer cannot be reached (naming it)
