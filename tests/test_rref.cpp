@@ -933,6 +933,56 @@ DISTRPC_MP_TEST("rref: to_here() right after a remote() the owner refuses fails 
   distrpc::shutdown();
 }
 
+DISTRPC_MP_TEST("rref: deletes of dropped user RRefs go in batches, and soon", 2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    std::vector<RRef<int>> users;
+    for (int i = 0; i < 300; ++i) users.push_back(distrpc::remote<&add_ints>("worker1", i, 1));
+    for (int i = 0; i < 300; ++i) CHECK(users[static_cast<std::size_t>(i)].to_here() == i + 1);
+    CHECK(flushed());
+    const int sent0 = counter("num_user_deletes_sent");
+    const int messages0 = counter("num_user_delete_messages");
+    ctx.publish("made", "1");
+    (void)ctx.lookup("counted");
+    users.clear();
+    // 300 deletes: one full batch of 256 at once, the rest when the short delay ends.
+    CHECK(flushed());
+    CHECK(counter("num_queued_deletes") == 0);
+    CHECK(counter("num_user_deletes_sent") - sent0 == 300);
+    const int messages = counter("num_user_delete_messages") - messages0;
+    CHECK(messages >= 2);
+    CHECK(messages <= 4);
+    ctx.publish("dropped", "1");
+    (void)ctx.lookup("freed");
+    // A lone dropped RRef is not kept waiting for company: its owner frees it within the delay.
+    auto one = distrpc::remote<&add_ints>("worker1", 2, 2);
+    CHECK(one.to_here() == 4);
+    ctx.publish("one", "1");
+    (void)ctx.lookup("one_counted");
+    one = RRef<int>();
+    ctx.publish("one_dropped", std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(
+                                                  Clock::now().time_since_epoch())
+                                                  .count()));
+  } else {
+    (void)ctx.lookup("made");
+    CHECK(owners_and_forks(300, 300));
+    ctx.publish("counted", "1");
+    (void)ctx.lookup("dropped");
+    CHECK(owners_and_forks(0, 0));
+    ctx.publish("freed", "1");
+    (void)ctx.lookup("one");
+    CHECK(owners_and_forks(1, 1));
+    ctx.publish("one_counted", "1");
+    const auto dropped_at =
+        Clock::time_point(std::chrono::microseconds(std::stoll(ctx.lookup("one_dropped"))));
+    CHECK(owners_and_forks(0, 0));
+    // Steady clocks agree across processes of one host.
+    CHECK(Clock::now() - dropped_at < 1s);
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
 // ---- scenarios 19-21 with RRefs: barriers, all-gather and shutdown under RRef traffic --------
 
 DISTRPC_MP_TEST("rref: graceful shutdown with RRef traffic in flight everywhere", 4, 60) {

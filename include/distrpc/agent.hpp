@@ -418,13 +418,25 @@ class RpcAgent : public detail::RRefHost,
     return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
   }
   bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
-  void host_protocol_begin() override {
+  void host_protocol_begin(std::uint64_t steps) override {
     std::lock_guard<std::mutex> lk(calls_mu_);
-    ++counters_.protocol_pending;
+    counters_.protocol_pending += steps;
   }
-  void host_protocol_end() override {
+  void host_protocol_end(std::uint64_t steps) override {
     std::lock_guard<std::mutex> lk(calls_mu_);
-    --counters_.protocol_pending;
+    counters_.protocol_pending -= steps;
+  }
+  bool host_after(milliseconds delay, std::function<void()> fn) override {
+    const auto at = Clock::now() + delay;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      if (timer_stop_ || stopped_.load()) return false;
+      timed_tasks_.emplace(at, std::move(fn));
+      if (at >= timer_wakes_at_) return true;
+      timer_wakes_at_ = at;
+    }
+    timer_cv_.notify_one();
+    return true;
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
   detail::ExecutorFn host_user_executor() override {
@@ -612,6 +624,12 @@ class RpcAgent : public detail::RRefHost,
     }
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
+    // Timed tasks that never ran (they hold their owners, e.g. the RRef context) go now.
+    std::multimap<Clock::time_point, std::function<void()>> never_run;
+    {
+      std::lock_guard<std::mutex> lk(calls_mu_);
+      never_run.swap(timed_tasks_);
+    }
   }
 
   // Fails every call still waiting for a reply (local stop).
@@ -868,20 +886,33 @@ class RpcAgent : public detail::RRefHost,
     }
   }
 
+  // Fails calls at their deadlines and hands timed library tasks (host_after) to the callback
+  // pool: it never runs them itself, so a task that blocks cannot delay a timeout.
   void run_timer() {
     std::unique_lock<std::mutex> lk(calls_mu_);
     while (!timer_stop_) {
-      if (deadlines_.empty()) {
+      if (deadlines_.empty() && timed_tasks_.empty()) {
         timer_wakes_at_ = Clock::time_point::max();
-        timer_cv_.wait(lk, [&] { return timer_stop_ || !deadlines_.empty(); });
+        timer_cv_.wait(lk,
+                       [&] { return timer_stop_ || !deadlines_.empty() || !timed_tasks_.empty(); });
         continue;
       }
       // Sleeps until the earliest deadline known now; a call that ends earlier leaves it as is
       // (the wake-up then finds nothing due and sleeps on to the next one).
-      const auto next = deadlines_.begin()->first;
+      auto next = Clock::time_point::max();
+      if (!deadlines_.empty()) next = deadlines_.begin()->first;
+      if (!timed_tasks_.empty()) next = std::min(next, timed_tasks_.begin()->first);
       if (Clock::now() < next) {
         timer_wakes_at_ = next;
         timer_cv_.wait_until(lk, next);
+        continue;
+      }
+      if (!timed_tasks_.empty() && timed_tasks_.begin()->first == next) {
+        std::function<void()> fn = std::move(timed_tasks_.begin()->second);
+        timed_tasks_.erase(timed_tasks_.begin());
+        lk.unlock();
+        callback_pool_.post(std::move(fn));  // refused once stopping: the task's owner cleans up
+        lk.lock();
         continue;
       }
       const std::uint64_t id = deadlines_.begin()->second;
@@ -945,6 +976,7 @@ class RpcAgent : public detail::RRefHost,
   mutable std::mutex calls_mu_;
   std::unordered_map<std::uint64_t, Pending> calls_;
   std::multimap<Clock::time_point, std::uint64_t> deadlines_;
+  std::multimap<Clock::time_point, std::function<void()>> timed_tasks_;  // host_after()
   WorkCounters counters_;
   std::atomic<std::uint64_t> next_id_{0};
   std::condition_variable timer_cv_;

@@ -104,9 +104,11 @@ class RRefHost {
                                                   const std::string& what) = 0;
   // Queues library work on the callback pool; false once the agent stopped.
   virtual bool host_post(std::function<void()> fn) = 0;
-  // A protocol step is under way locally (between two counted messages): the join waits.
-  virtual void host_protocol_begin() = 0;
-  virtual void host_protocol_end() = 0;
+  // `steps` protocol steps are under way locally (between two counted messages): the join waits.
+  virtual void host_protocol_begin(std::uint64_t steps) = 0;
+  virtual void host_protocol_end(std::uint64_t steps) = 0;
+  // Queues `fn` on the callback pool `delay` from now; false once the agent stopped (fn dropped).
+  virtual bool host_after(std::chrono::milliseconds delay, std::function<void()> fn) = 0;
   // Where user callbacks of futures handed to the user run.
   virtual ExecutorFn host_user_executor() = 0;
   // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
@@ -114,6 +116,17 @@ class RRefHost {
 
  protected:
   virtual ~RRefHost() = default;
+};
+
+// One released fork in a UserDelete message (which carries a batch of them).
+struct UserDeleteEntry {
+  RRefId rref_id;
+  ForkId fork_id;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(rref_id, fork_id);
+  }
 };
 
 // What travels for an RRef inside a message.
@@ -497,10 +510,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
         return make_ready_future(detail::empty_response());
       }
       case RRefControl::UserDelete: {
-        RRefId id;
-        ForkId fork;
-        wire::decode(m, id, fork);
-        del_fork(id, fork, /*tombstone=*/true);
+        std::vector<detail::UserDeleteEntry> released;
+        wire::decode(m, released);
+        for (const auto& e : released) del_fork(e.rref_id, e.fork_id, /*tombstone=*/true);
         return make_ready_future(detail::empty_response());
       }
       case RRefControl::Fetch: {
@@ -594,17 +606,62 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     return out;
   }
 
-  // A user RRef's last handle is gone: tell the owner (once).
+  // A user RRef's last handle is gone: tell the owner (once). The delete waits up to
+  // kDeleteDelay for others to the same owner and goes with them in one message: a loop that
+  // creates and drops RRefs would otherwise pay a message and its answer per RRef, more than the
+  // remote() itself (docs/rref.md, "Deletes are batched"). The owner only frees the value a little
+  // later. Queued deletes count as protocol steps under way, so a graceful shutdown's join waits
+  // for them, and purge() sends them at once.
   void release_user(Impl& impl) {
     if (impl.deleted.exchange(true)) return;
-    bool closed = false;
+    const int owner = impl.owner.id;
+    // Counted before it is queued, so a flush that takes it cannot end the step first.
+    ++pending_futures_;
+    host_.host_protocol_begin(1);
+    std::vector<detail::UserDeleteEntry> full_batch;
+    bool schedule = false, queued = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
       users_.erase(impl.fork_id);
-      closed = closed_;
+      if (!closed_ && !impl.skip_delete.load()) {
+        auto& q = delete_queue_[owner];
+        q.push_back(detail::UserDeleteEntry{impl.id, impl.fork_id});
+        ++queued_deletes_;
+        queued = true;
+        if (!batch_deletes_ || q.size() >= kDeleteBatch) {
+          full_batch.swap(q);
+          delete_queue_.erase(owner);
+          queued_deletes_ -= full_batch.size();
+        } else if (!flush_scheduled_) {
+          schedule = flush_scheduled_ = true;
+        }
+      }
     }
-    if (closed || impl.skip_delete.load()) return;
-    send_user_delete(impl.owner.id, impl.id, impl.fork_id);
+    if (!queued) {
+      protocol_steps_done(1);
+      return;
+    }
+    if (!full_batch.empty()) send_user_deletes(owner, std::move(full_batch));
+    if (schedule) {
+      auto me = shared_from_this();
+      if (!host_.host_after(kDeleteDelay, [me] { me->flush_deletes(); })) {
+        // The agent is stopping: close() drops what is queued.
+        std::lock_guard<std::mutex> lk(mu_);
+        flush_scheduled_ = false;
+      }
+    }
+  }
+
+  // Sends every queued delete now, one message per owner.
+  void flush_deletes() {
+    std::map<int, std::vector<detail::UserDeleteEntry>> batches;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      flush_scheduled_ = false;
+      batches.swap(delete_queue_);
+      queued_deletes_ = 0;
+    }
+    for (auto& [owner, batch] : batches) send_user_deletes(owner, std::move(batch));
   }
 
   // ---- lifecycle -------------------------------------------------------------------------------
@@ -612,6 +669,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   void on_peer_lost(int peer) {
     std::vector<CellPtr> drop_cells;
     std::vector<ImplPtr> drop_children;
+    std::size_t dropped_deletes = 0;
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (auto it = forks_.begin(); it != forks_.end();) {
@@ -646,7 +704,14 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       for (auto& [fork, weak] : users_) {
         if (auto u = weak.lock(); u && u->owner.id == peer) u->skip_delete = true;
       }
+      // Deletes still queued for a lost owner can never be answered: they are dropped.
+      if (auto q = delete_queue_.find(peer); q != delete_queue_.end()) {
+        dropped_deletes = q->second.size();
+        queued_deletes_ -= dropped_deletes;
+        delete_queue_.erase(q);
+      }
     }
+    if (dropped_deletes > 0) protocol_steps_done(dropped_deletes);
     // Values and parents are released here, outside the lock.
   }
 
@@ -664,6 +729,12 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     }
     for (auto& u : users) release_user(*u);
     users.clear();
+    {
+      // From here on a released RRef's delete goes at once: nothing is left for a timer.
+      std::lock_guard<std::mutex> lk(mu_);
+      batch_deletes_ = false;
+    }
+    flush_deletes();
     wait_until([&] { return pending_futures_ == 0; }, deadline, "RRef protocol messages");
     std::vector<CellPtr> unforked;
     {
@@ -707,9 +778,13 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     std::vector<ImplPtr> users;
     std::map<ForkId, PendingUser> pending;
     std::map<ForkId, PendingChild> children;
+    std::size_t unsent = 0;
     {
       std::lock_guard<std::mutex> lk(mu_);
       closed_ = true;
+      unsent = queued_deletes_;
+      delete_queue_.clear();
+      queued_deletes_ = 0;
       for (auto& [fork, weak] : users_) {
         if (auto u = weak.lock()) users.push_back(std::move(u));
       }
@@ -717,6 +792,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       pending.swap(pending_users_);
       children.swap(pending_children_);
     }
+    if (unsent > 0) protocol_steps_done(unsent);
     for (auto& u : users) u->deleted = true;
     for (auto& [fork, p] : pending) {
       p.impl->deleted = true;
@@ -731,7 +807,10 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
             {"num_pending_users", std::to_string(pending_users_.size())},
             {"num_pending_futures", std::to_string(pending_futures_.load())},
             {"num_forks", std::to_string(forks_total_)},
-            {"num_pending_children", std::to_string(pending_children_.size())}};
+            {"num_pending_children", std::to_string(pending_children_.size())},
+            {"num_queued_deletes", std::to_string(queued_deletes_)},
+            {"num_user_deletes_sent", std::to_string(user_deletes_sent_)},
+            {"num_user_delete_messages", std::to_string(user_delete_messages_)}};
   }
 
   // Forks recorded on this owner for `id` (tests and docs traces).
@@ -877,10 +956,23 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     send(parent, RRefControl::ChildAccept, std::move(m), [](const Future<wire::Message>&) {});
   }
 
-  void send_user_delete(int owner, const RRefId& id, const ForkId& fork) {
+  // One message for a batch of queued deletes (each counted as a step under way until now).
+  void send_user_deletes(int owner, std::vector<detail::UserDeleteEntry> batch) {
+    const std::size_t n = batch.size();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      user_deletes_sent_ += n;
+      ++user_delete_messages_;
+    }
     wire::Message m;
-    wire::encode(m, id, fork);
+    wire::encode(m, batch);
     send(owner, RRefControl::UserDelete, std::move(m), [](const Future<wire::Message>&) {});
+    protocol_steps_done(n);
+  }
+
+  void protocol_steps_done(std::size_t n) {
+    host_.host_protocol_end(n);
+    if ((pending_futures_ -= static_cast<std::int64_t>(n)) == 0) cv_.notify_all();
   }
 
   // Sends a protocol request from the callback pool (the caller may be a transport I/O thread).
@@ -899,7 +991,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       return;
     }
     ++pending_futures_;
-    host_.host_protocol_begin();
+    host_.host_protocol_begin(1);
     auto me = shared_from_this();
     auto finish = [me, on_done](const Future<wire::Message>& r) {
       if (r.has_error()) {
@@ -915,7 +1007,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       auto fut = host_.host_control_call(to, rref_message_type(kind), std::move(m),
                                          host_.host_timeout(kUnsetRpcTimeout),
                                          std::string(rref_control_name(kind)));
-      host_.host_protocol_end();
+      host_.host_protocol_end(1);
       fut.add_done_callback(finish);
       return;
     }
@@ -924,11 +1016,11 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
       auto fut = me->host_.host_control_call(to, rref_message_type(kind), std::move(*msg),
                                              me->host_.host_timeout(kUnsetRpcTimeout),
                                              std::string(rref_control_name(kind)));
-      me->host_.host_protocol_end();
+      me->host_.host_protocol_end(1);
       fut.add_done_callback(finish);
     });
     if (!posted) {
-      host_.host_protocol_end();
+      host_.host_protocol_end(1);
       finish(make_exceptional_future<wire::Message>(std::make_exception_ptr(
           RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
                    " dropped: the RPC agent of " + self().str() + " is shutting down"))));
@@ -964,6 +1056,15 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   std::map<ForkId, std::weak_ptr<Impl>> users_;
   std::atomic<std::int64_t> pending_futures_{0};
   bool closed_ = false;
+  // Deletes of released user RRefs waiting to go, per owner (release_user()).
+  static constexpr std::size_t kDeleteBatch = 256;
+  static constexpr std::chrono::milliseconds kDeleteDelay{1};
+  std::map<int, std::vector<detail::UserDeleteEntry>> delete_queue_;
+  std::size_t queued_deletes_ = 0;
+  bool flush_scheduled_ = false;
+  bool batch_deletes_ = true;  // false once purge() began
+  std::uint64_t user_deletes_sent_ = 0;
+  std::uint64_t user_delete_messages_ = 0;
 };
 
 detail::RRefImpl::~RRefImpl() {
