@@ -614,6 +614,12 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // for them, and purge() sends them at once.
   void release_user(Impl& impl) {
     if (impl.deleted.exchange(true)) return;
+    {
+      // After close() the agent may be gone: nothing of it is touched then.
+      std::lock_guard<std::mutex> lk(mu_);
+      users_.erase(impl.fork_id);
+      if (closed_ || impl.skip_delete.load()) return;
+    }
     const int owner = impl.owner.id;
     // Counted before it is queued, so a flush that takes it cannot end the step first.
     ++pending_futures_;
@@ -622,7 +628,6 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     bool schedule = false, queued = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      users_.erase(impl.fork_id);
       if (!closed_ && !impl.skip_delete.load()) {
         auto& q = delete_queue_[owner];
         q.push_back(detail::UserDeleteEntry{impl.id, impl.fork_id});
