@@ -1030,8 +1030,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         woken = true;
         continue;
       }
+      InlineTask task = io_loop(woken);  // returns with every ring declared sleeping
       woken = false;
-      InlineTask task = io_loop();  // returns with every ring declared sleeping
       lead.unlock();
       settle(lead);
       if (stopping_.load()) {
@@ -1216,19 +1216,24 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // The leader's loop (lead held): returns a task on_message handed back, to run once the lead
   // is let go, or an empty one when idle or stopping; either way with the rings declared
   // sleeping.
-  InlineTask io_loop() {
+  // `woken`: back from idle_wait(), so a socket event may be what woke it: look at once. A
+  // thread back for the next record of a stream after running a task does not (an epoll_wait
+  // per request was a tenth of a small call's cost): the period below covers it.
+  InlineTask io_loop(bool woken) {
     wake_rings();
     auto last_activity = Clock::now();
-    auto last_socket_poll = Clock::now();
-    poll_sockets(0);  // what may have woken this thread
+    if (woken || last_activity - last_socket_poll_ >= kSocketPollPeriod) {
+      poll_sockets(0);
+      last_socket_poll_ = last_activity;
+    }
     const auto spin = std::chrono::microseconds(spin_us_);
     while (!stopping_.load(std::memory_order_relaxed)) {
       InlineScope scope;
       const bool progress = service_all(scope);
       auto now = Clock::now();
-      if (now - last_socket_poll >= kSocketPollPeriod) {
+      if (now - last_socket_poll_ >= kSocketPollPeriod) {
         poll_sockets(0);
-        last_socket_poll = now;
+        last_socket_poll_ = now;
       }
       if (scope.holds_task()) {
         // Run it on this thread unless the other one is running a task already (then it goes
@@ -1698,6 +1703,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::thread listen_thread_;
   std::array<BoundedThread, 2> io_threads_;  // the two I/O threads (see io_main)
   std::mutex lead_mu_;                       // held by the one thread that reads (see io_main)
+  Clock::time_point last_socket_poll_{};     // with the lead held: io_loop()'s last look
   std::atomic<bool> running_task_{false};    // an I/O thread runs a handed-back task
   std::atomic<bool> lead_wanted_{false};     // a caller in drive() waits for the lead
   std::atomic<bool> missed_{false};          // a woken I/O thread found the lead taken
