@@ -384,26 +384,9 @@ TEST_CASE("tcp: an unknown peer and a peer answering with another identity are r
   CHECK(b.inbox.message_count() == 0);
 }
 
+// The transport contract: send() needs add_peer() first, even to a peer that reached us.
 TEST_CASE("tcp: a peer that reached us is answered only once add_peer() named it") {
-  Node a(0), b(1);
-  a.ctx->add_peer(1, "w1", b.ctx->address());
-  a.ctx->send(1, make_message(MessageType::Request, 1, "early"));
-  REQUIRE(b.inbox.wait_messages(1, 10s));
-  // b has a connection from worker 0 but no address for it: a clear refusal, nothing sent.
-  std::string text;
-  try {
-    b.ctx->send(0, make_message(MessageType::Response, 1, "reply"));
-  } catch (const DistNetworkError& e) {
-    text = e.what();
-  }
-  CHECK(contains(text, "worker 0 ('w0')"));
-  CHECK(contains(text, "add_peer() was not called for it"));
-  b.ctx->add_peer(0, "w0", a.ctx->address());
-  b.ctx->send(0, make_message(MessageType::Response, 1, "reply"));
-  REQUIRE(a.inbox.wait_messages(1, 10s));
-  CHECK(a.inbox.take(0).payload == "reply");
-  CHECK(a.inbox.lost_count() == 0);
-  CHECK(b.inbox.lost_count() == 0);
+  distrpc::testing::answer_needs_add_peer_scenario<Tcp>();
 }
 
 TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps working") {

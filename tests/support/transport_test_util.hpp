@@ -462,4 +462,28 @@ void driven_reply_scenario() {
   for (auto& t : queued) t();
 }
 
+// The transport contract (transport.hpp): a peer whose messages already arrive cannot be
+// answered until add_peer() gave its address; the refusal names it, and nothing is lost after.
+template <class P>
+void answer_needs_add_peer_scenario() {
+  NodeOf<P> a(0), b(1);
+  a.ctx->add_peer(1, "w1", b.ctx->address());
+  a.ctx->send(1, make_message(wire::MessageType::Request, 1, "early"));
+  REQUIRE(b.inbox.wait_messages(1, 10s));
+  std::string text;
+  try {
+    b.ctx->send(0, make_message(wire::MessageType::Response, 1, "reply"));
+  } catch (const DistNetworkError& e) {
+    text = e.what();
+  }
+  CHECK(text.find("worker 0 ('w0')") != std::string::npos);
+  CHECK(text.find("add_peer() was not called for it") != std::string::npos);
+  b.ctx->add_peer(0, "w0", a.ctx->address());
+  b.ctx->send(0, make_message(wire::MessageType::Response, 1, "reply"));
+  REQUIRE(a.inbox.wait_messages(1, 10s));
+  CHECK(a.inbox.take(0).payload == "reply");
+  CHECK(a.inbox.lost_count() == 0);
+  CHECK(b.inbox.lost_count() == 0);
+}
+
 }  // namespace distrpc::testing

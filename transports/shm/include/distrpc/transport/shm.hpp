@@ -1218,7 +1218,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // sleeping.
   // `woken`: back from idle_wait(), so a socket event may be what woke it: look at once. A
   // thread back for the next record of a stream after running a task does not (an epoll_wait
-  // per request was a tenth of a small call's cost): the period below covers it.
+  // per request halved the pipelined small-call rate): the period below covers it.
   InlineTask io_loop(bool woken) {
     wake_rings();
     auto last_activity = Clock::now();
