@@ -614,47 +614,31 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // for them, and purge() sends them at once.
   void release_user(Impl& impl) {
     if (impl.deleted.exchange(true)) return;
+    const int owner = impl.owner.id;
+    std::vector<detail::UserDeleteEntry> full_batch;
     {
-      // After close() the agent may be gone: nothing of it is touched then.
+      // One section with close(): after it the agent may be gone, so the agent is touched (its
+      // step counter and timer, leaf locks) only while closed_ is known false; close() then finds
+      // the delete queued and ends the step itself.
       std::lock_guard<std::mutex> lk(mu_);
       users_.erase(impl.fork_id);
       if (closed_ || impl.skip_delete.load()) return;
-    }
-    const int owner = impl.owner.id;
-    // Counted before it is queued, so a flush that takes it cannot end the step first.
-    ++pending_futures_;
-    host_.host_protocol_begin(1);
-    std::vector<detail::UserDeleteEntry> full_batch;
-    bool schedule = false, queued = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!closed_ && !impl.skip_delete.load()) {
-        auto& q = delete_queue_[owner];
-        q.push_back(detail::UserDeleteEntry{impl.id, impl.fork_id});
-        ++queued_deletes_;
-        queued = true;
-        if (!batch_deletes_ || q.size() >= kDeleteBatch) {
-          full_batch.swap(q);
-          delete_queue_.erase(owner);
-          queued_deletes_ -= full_batch.size();
-        } else if (!flush_scheduled_) {
-          schedule = flush_scheduled_ = true;
-        }
+      ++pending_futures_;
+      host_.host_protocol_begin(1);
+      auto& q = delete_queue_[owner];
+      q.push_back(detail::UserDeleteEntry{impl.id, impl.fork_id});
+      ++queued_deletes_;
+      if (!batch_deletes_ || q.size() >= kDeleteBatch) {
+        full_batch.swap(q);
+        delete_queue_.erase(owner);
+        queued_deletes_ -= full_batch.size();
+      } else if (!flush_scheduled_) {
+        // Refused once the agent stops; close() then drops what is queued.
+        auto me = shared_from_this();
+        flush_scheduled_ = host_.host_after(kDeleteDelay, [me] { me->flush_deletes(); });
       }
-    }
-    if (!queued) {
-      protocol_steps_done(1);
-      return;
     }
     if (!full_batch.empty()) send_user_deletes(owner, std::move(full_batch));
-    if (schedule) {
-      auto me = shared_from_this();
-      if (!host_.host_after(kDeleteDelay, [me] { me->flush_deletes(); })) {
-        // The agent is stopping: close() drops what is queued.
-        std::lock_guard<std::mutex> lk(mu_);
-        flush_scheduled_ = false;
-      }
-    }
   }
 
   // Sends every queued delete now, one message per owner.
