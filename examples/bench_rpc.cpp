@@ -133,6 +133,11 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 template <class F>
 double median_us(F&& fn, int n, int warm) {
   for (int i = 0; i < warm; ++i) fn();
@@ -143,8 +148,7 @@ double median_us(F&& fn, int n, int warm) {
     fn();
     lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
-  std::sort(lat.begin(), lat.end());
-  return lat[lat.size() / 2];
+  return median(std::move(lat));
 }
 
 int run_worker(const Args& a) {
@@ -209,9 +213,8 @@ int run_worker(const Args& a) {
     std::vector<double> windows;
     for (int w = 0; w < a.async_windows; ++w) windows.push_back(async_window());
     const double cps_first = windows.front();
-    std::sort(windows.begin(), windows.end());
-    const double cps = windows[windows.size() / 2];
-    const double cps_min = windows.front();
+    const double cps_min = *std::min_element(windows.begin(), windows.end());
+    const double cps = median(std::move(windows));
     // Idle group: both workers connected and doing nothing for 1 s (after 0.5 s for any spinning
     // to stop). The two calls that read worker1's counter are inside the window's edges, not in it.
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
