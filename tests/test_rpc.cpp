@@ -1326,11 +1326,12 @@ DISTRPC_MP_TEST("rpc: all_gather values and timeouts, wait_all_workers", 4, 60) 
   distrpc::wait_all_workers();
   distrpc::wait_all_workers();
 
-  // Timeouts (default 0.1 s). Round 1: the leader (worker0) comes late: the followers' calls
+  // Timeouts (default 0.1 s). Round 1: the leader (worker0) does not come for longer than the
+  // members' own wait (the timeout plus the 1 s they leave for the leader's verdict): their calls
   // time out with the plain RPC timeout.
   distrpc::set_rpc_timeout(100ms);
   if (ctx.rank == 0) {
-    std::this_thread::sleep_for(500ms);
+    std::this_thread::sleep_for(1500ms);
     try {
       (void)distrpc::all_gather(0);
     } catch (const std::exception&) {
@@ -1358,6 +1359,30 @@ DISTRPC_MP_TEST("rpc: all_gather values and timeouts, wait_all_workers", 4, 60) 
     (void)ctx.lookup("round2");
     std::this_thread::sleep_for(200ms);
     CHECK_THROWS_AS(distrpc::all_gather(ctx.rank), distrpc::RpcError);
+  }
+  // Round 3: worker3 does not come; the leader's verdict reaches every member that did, the same
+  // text everywhere (the members' own wait is longer than the leader's).
+  if (ctx.rank == 3) {
+    (void)ctx.lookup("round3-0");
+    (void)ctx.lookup("round3-1");
+    (void)ctx.lookup("round3-2");
+    std::this_thread::sleep_for(100ms);
+    CHECK_THROWS_AS(distrpc::all_gather(ctx.rank), distrpc::RpcError);  // the gather is closed
+  } else {
+    std::string text;
+    try {
+      (void)distrpc::all_gather(ctx.rank);
+      FAIL_CHECK("all_gather did not time out although worker3 never came");
+    } catch (const distrpc::RpcTimeoutError& e) {
+      text = e.what();
+    }
+    CHECK_MESSAGE(contains(text,
+                           "timed out in _all_gather after 0.10 seconds. The following workers did "
+                           "not respond: "),
+                  text);
+    CHECK_MESSAGE(contains(text, "worker3"), text);
+    ctx.publish("round3-" + std::to_string(ctx.rank), text);
+    for (int r = 0; r < 3; ++r) CHECK(ctx.lookup("round3-" + std::to_string(r)) == text);
   }
   // Healthy afterwards.
   distrpc::set_rpc_timeout(60s);

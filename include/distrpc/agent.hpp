@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/agent/gather_table.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/options.hpp"
@@ -300,6 +301,7 @@ class RpcAgent : public detail::RRefHost,
         if (p.to.id == peer) lost.emplace_back(id, p.what);
       }
     }
+    mark_lost(peer, reason);
     for (auto& [id, what] : lost) {
       fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
                                                              " failed: connection lost (" + reason +
@@ -309,66 +311,32 @@ class RpcAgent : public detail::RRefHost,
     callback_pool_.post([ctx = rref_ctx_, peer] { ctx->on_peer_lost(peer); });
   }
 
-  // ---- all-gather state (leader side) ------------------------------------------------------
-  // A follower's contribution (or the leader's own) to the gather `key`#`seq`; the returned
-  // future completes with every contribution once all `names` have contributed.
-  Future<std::map<std::string, std::string>> gather_contribute(
-      const std::string& key, std::uint64_t seq, const std::vector<std::string>& names,
-      const std::string& name, std::string blob) {
-    Future<std::map<std::string, std::string>> done;
-    std::map<std::string, std::string> result;
-    std::vector<Future<std::map<std::string, std::string>>> waiters;
-    {
-      std::lock_guard<std::mutex> lk(gather_mu_);
-      auto& g = gathers_[{key, seq}];
-      if (g.expected.empty()) g.expected.insert(names.begin(), names.end());
-      if (g.failed) {
-        done = make_exceptional_future<std::map<std::string, std::string>>(
-            std::make_exception_ptr(RpcError(g.failure)));
-        return done;
-      }
-      g.values[name] = std::move(blob);
-      g.waiters.push_back(done);
-      if (g.values.size() < g.expected.size()) return done;
-      result = g.values;
-      waiters = std::move(g.waiters);
-      gathers_.erase({key, seq});
-    }
-    // Completed outside the lock: their callbacks send the replies to the followers.
-    for (auto& w : waiters) w.try_set_value(result);
-    return done;
-  }
+  // ---- membership and the group protocol ------------------------------------------------
+  // The all-gather state of the group protocol (barrier, all_gather, the shutdown join; rpc.hpp
+  // runs the protocol over it).
+  detail::GatherTable& gathers() { return gathers_; }
 
-  // The leader gave up on `key`#`seq`: fail everyone waiting on it, and anyone arriving later.
-  void gather_fail(const std::string& key, std::uint64_t seq, const std::string& why) {
-    std::vector<Future<std::map<std::string, std::string>>> waiters;
-    {
-      std::lock_guard<std::mutex> lk(gather_mu_);
-      auto& g = gathers_[{key, seq}];
-      g.failed = true;
-      g.failure = why;
-      waiters = std::move(g.waiters);
-    }
-    for (auto& w : waiters) w.try_set_exception(std::make_exception_ptr(RpcError(why)));
+  // Worker `id` is gone: its connection broke (on_peer_lost) or it no longer accepts one. The
+  // first reason is kept. Group operations stop waiting for a lost member (rpc.hpp).
+  void mark_lost(int id, const std::string& reason) {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    lost_.emplace(id, reason);
   }
-
-  // Names the leader has not heard from yet in `key`#`seq`.
-  std::vector<std::string> gather_missing(const std::string& key, std::uint64_t seq) {
-    std::lock_guard<std::mutex> lk(gather_mu_);
+  bool is_lost(int id) const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    return lost_.count(id) > 0;
+  }
+  // The names of the members known lost, sorted.
+  std::vector<std::string> lost_names() const {
+    std::lock_guard<std::mutex> lk(group_mu_);
     std::vector<std::string> out;
-    auto it = gathers_.find({key, seq});
-    if (it == gathers_.end()) return out;
-    for (const auto& n : it->second.expected) {
-      if (!it->second.values.count(n)) out.push_back(n);
+    for (const auto& [id, why] : lost_) {
+      out.push_back(id < static_cast<int>(workers_.size())
+                        ? workers_[static_cast<std::size_t>(id)].name
+                        : "worker id " + std::to_string(id));
     }
+    std::sort(out.begin(), out.end());
     return out;
-  }
-
-  // Sequence numbers per sorted name set: every member calls all_gather on a set in the same
-  // order, so the n-th call of each member meets the n-th call of the others.
-  std::uint64_t next_gather_seq(const std::string& key) {
-    std::lock_guard<std::mutex> lk(gather_mu_);
-    return gather_seq_[key]++;
   }
 
   // ---- bookkeeping -------------------------------------------------------------------------
@@ -539,7 +507,9 @@ class RpcAgent : public detail::RRefHost,
   // never returns, on a pool or on a transport reading thread) is abandoned, and this agent is
   // kept alive for good for it (keep_alive_forever()). Without `sync_exit`, requests queued but
   // not started are dropped: their callers fail through peer loss or their timeout.
-  void stop(bool sync_exit, milliseconds timeout) {
+  // `led_last`: this worker led the group's last gather (graceful shutdown); it is the one to
+  // leave last when the store cannot order the exit.
+  void stop(bool sync_exit, milliseconds timeout, bool led_last = false) {
     if (stopped_.exchange(true)) return;
     // No RRef protocol message is sent from now on; user RRefs still alive are dead.
     rref_ctx_->close();
@@ -547,8 +517,14 @@ class RpcAgent : public detail::RRefHost,
     if (sync_exit && store_) {
       try {
         exit_barrier(timeout);
+        leave_store();
       } catch (...) {
-        barrier_error = std::current_exception();
+        // The store may have gone with a lost member (rank 0 hosts a tcp:// or env:// one): then
+        // there is nobody left to synchronize with through it, and the loss is what shutdown()
+        // reports. The last gather's leader then leaves last, so its answers reach the others
+        // before its connections close (they leave as soon as they have the answer).
+        if (!any_lost()) barrier_error = std::current_exception();
+        if (led_last) wait_others_gone(std::chrono::seconds(5));
       }
     }
     // Only an agent someone owns can outlive this call; one already being destroyed (no owner
@@ -577,13 +553,6 @@ class RpcAgent : public detail::RRefHost,
                    self_.name.c_str(), n, static_cast<long long>(grace.count()), on_requests,
                    on_readers, on_callbacks);
       keep_alive_forever(std::move(owned));
-    }
-    if (sync_exit && store_) {
-      try {
-        leave_store();
-      } catch (...) {
-        if (!barrier_error) barrier_error = std::current_exception();
-      }
     }
     store_.reset();
     if (barrier_error) std::rethrow_exception(barrier_error);
@@ -652,14 +621,6 @@ class RpcAgent : public detail::RRefHost,
     bool internal;
     std::string what;
     std::multimap<Clock::time_point, std::uint64_t>::iterator deadline;
-  };
-
-  struct Gather {
-    std::set<std::string> expected;
-    std::map<std::string, std::string> values;
-    std::vector<Future<std::map<std::string, std::string>>> waiters;
-    bool failed = false;
-    std::string failure;
   };
 
   std::string key(const std::string& k) const { return "distrpc/rpc/" + k; }
@@ -933,31 +894,55 @@ class RpcAgent : public detail::RRefHost,
     }
   }
 
+  bool any_lost() const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    return !lost_.empty();
+  }
+  int live_members() const {
+    std::lock_guard<std::mutex> lk(group_mu_);
+    return world_size_ - static_cast<int>(lost_.size());
+  }
+
   void exit_barrier(milliseconds timeout) {
     auto& st = *store_;
     const std::string k = key("exit");
     st.add(k, 1);
     const auto deadline =
         Clock::now() + (timeout.count() > 0 ? timeout : milliseconds(std::chrono::minutes(5)));
-    while (st.add(k, 0) < world_size_) {
+    // Lost members never arrive: the count wanted shrinks as losses become known meanwhile.
+    while (st.add(k, 0) < live_members()) {
       if (Clock::now() > deadline) {
-        throw RpcError("graceful shutdown of " + self_.str() +
-                       ": timed out waiting for the other workers at the exit barrier");
+        throw RpcError(
+            "graceful shutdown timed out waiting for the other workers at the exit barrier");
       }
       std::this_thread::sleep_for(milliseconds(1));
     }
   }
 
-  // The process hosting the store server (rank 0) must outlive the other ranks' last use of it.
+  // The process hosting the store server (rank 0) must outlive the other ranks' last use of it:
+  // past the exit barrier each rank marks that it left, and rank 0 waits until every other rank
+  // either did or is lost (a rank killed after the exit barrier never marks it). Runs while the
+  // transport still reports losses; bounded, since every rank is past the exit barrier already.
   void leave_store() {
     auto& st = *store_;
-    const std::string k = key("left");
     if (self_.id != 0) {
-      st.add(k, 1);
+      st.add(key("left/" + std::to_string(self_.id)), 1);
       return;
     }
-    const auto deadline = Clock::now() + std::chrono::seconds(60);
-    while (st.add(k, 0) < world_size_ - 1 && Clock::now() < deadline) {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    for (int r = 1; r < world_size_; ++r) {
+      while (st.add(key("left/" + std::to_string(r)), 0) == 0 && !is_lost(r) &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(milliseconds(1));
+      }
+    }
+  }
+
+  // Waits until every member not known lost, other than this one, closed its connections (they
+  // are then reported lost), or `limit` passes.
+  void wait_others_gone(milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    while (live_members() > 1 && Clock::now() < deadline) {
       std::this_thread::sleep_for(milliseconds(1));
     }
   }
@@ -970,6 +955,7 @@ class RpcAgent : public detail::RRefHost,
   mutable std::mutex group_mu_;
   std::vector<WorkerInfo> workers_;
   std::map<std::string, int> by_name_;
+  std::map<int, std::string> lost_;  // id -> why (mark_lost)
   std::atomic<bool> group_ready_{false};
   std::vector<std::pair<int, wire::Message>> early_requests_;
 
@@ -984,9 +970,7 @@ class RpcAgent : public detail::RRefHost,
   Clock::time_point timer_wakes_at_ = Clock::time_point::max();
   bool timer_stop_ = false;
 
-  std::mutex gather_mu_;
-  std::map<std::pair<std::string, std::uint64_t>, Gather> gathers_;
-  std::map<std::string, std::uint64_t> gather_seq_;
+  detail::GatherTable gathers_;
 
   std::shared_ptr<store::Store> store_;
   std::atomic<bool> stopped_{false};
@@ -1044,6 +1028,9 @@ class Agent final : public RpcAgent {
     o.auth_token = options().auth_token;
     o.limits.max_message_bytes = options().max_message_bytes;
     o.connect_timeout = options().init_timeout;
+    // Peers are added once they published their address, which they do after listening: a
+    // refusal then means the peer is gone (a call to it fails at once, not after init_timeout).
+    o.refused_retry = std::chrono::milliseconds(100);
     return o;
   }
   transport::TransportCallbacks make_callbacks() {

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -373,13 +374,27 @@ inline bool is_initialized() {
 
 namespace detail {
 
-// Leader side of all_gather, called by followers through RPC (internal, asynchronous by type).
-inline Future<std::map<std::string, std::string>> gather_contribute(std::string key,
-                                                                    std::uint64_t seq,
-                                                                    std::vector<std::string> names,
-                                                                    std::string name,
-                                                                    std::string blob) {
-  return current_agent()->gather_contribute(key, seq, names, name, std::move(blob));
+// ---- the group protocol ------------------------------------------------------------------------
+// An all-gather over a set of members, led by the first member (in name order) not known lost.
+// Members send their contribution to the leader, which decides the outcome once (GatherTable) and
+// answers everyone alike. The leader watches the members it still waits for: one whose
+// connection breaks is lost at once, and one that never connected is probed (gather_status) so a
+// dead one is found within about a second; a probe also learns the outcome a member already got
+// from an earlier leader that died between its replies. A member whose leader is lost goes on
+// with the next one. See docs/rpc.md, "When workers are lost".
+
+// Leader side, called by the members through RPC (internal, asynchronous by type).
+inline Future<GatherOutcome> gather_contribute(std::string key, std::uint64_t seq,
+                                               std::vector<std::string> names, bool tolerant,
+                                               std::string op, std::string name, std::string blob,
+                                               std::vector<std::string> lost) {
+  return current_agent()->gathers().contribute(key, seq, names, tolerant, op, name, std::move(blob),
+                                               lost);
+}
+
+// A leader asks a member that has not contributed: the outcome, if the member already has it.
+inline std::optional<GatherOutcome> gather_status(std::string key, std::uint64_t seq) {
+  return current_agent()->gathers().completed(key, seq);
 }
 
 inline std::string seconds_text(std::chrono::milliseconds t) {
@@ -388,47 +403,149 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
   return buf;
 }
 
-// all_gather of opaque blobs; the typed all_gather encodes and decodes around it.
-inline std::map<std::string, std::string> all_gather_blobs(const std::shared_ptr<RpcAgent>& agent,
-                                                           std::string blob,
-                                                           std::vector<std::string> names,
-                                                           std::chrono::milliseconds timeout) {
+// The members of `names` known lost here.
+inline std::vector<std::string> lost_among(const RpcAgent& agent,
+                                           const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (const auto& n : agent.lost_names()) {
+    if (std::binary_search(names.begin(), names.end(), n)) out.push_back(n);
+  }
+  return out;
+}
+
+// The leader's side of one gather: contributes, then waits for the others, watching and probing
+// the missing ones, until the table decides or `deadline` passes.
+inline GatherOutcome lead_gather(const std::shared_ptr<RpcAgent>& agent, const std::string& key,
+                                 std::uint64_t seq, const std::vector<std::string>& names,
+                                 bool tolerant, const std::string& op, std::string blob,
+                                 std::chrono::steady_clock::time_point deadline,
+                                 std::chrono::milliseconds limit) {
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  auto& table = agent->gathers();
+  auto fut = table.contribute(key, seq, names, tolerant, op, agent->self().name, std::move(blob),
+                              lost_among(*agent, names));
+  struct Probe {
+    Clock::time_point next;
+    milliseconds interval{100};
+    std::optional<Future<wire::Message>> pending;
+  };
+  std::map<std::string, Probe> probes;
+  while (!fut.wait_for(milliseconds(10))) {
+    table.note_lost(key, seq, lost_among(*agent, names));
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      GatherOutcome o;
+      o.status = GatherOutcome::Status::timed_out;
+      o.text =
+          "timed out in _all_gather after " + seconds_text(limit) +
+          " seconds. The following workers did not respond: " + join_names(table.missing(key, seq));
+      table.decide(key, seq, std::move(o));
+      continue;
+    }
+    for (const auto& m : table.missing(key, seq)) {
+      auto [it, fresh] = probes.try_emplace(m);
+      Probe& p = it->second;
+      if (fresh) p.next = now + p.interval;  // most members arrive on their own, unprobed
+      if (p.pending && p.pending->done()) {
+        try {
+          std::optional<GatherOutcome> known;
+          wire::decode(p.pending->value(), known);
+          if (known) table.decide(key, seq, std::move(*known));
+        } catch (const DistNetworkError& e) {
+          agent->mark_lost(agent->worker(m).id, e.what());
+        } catch (const std::exception&) {
+          // A slow answer (timeout) or a member shutting down: asked again at the next turn.
+        }
+        p.pending.reset();
+      }
+      if (!p.pending && now >= p.next) {
+        p.pending =
+            send_call<&gather_status>(agent, agent->worker(m), CallOptions{milliseconds(2000)},
+                                      /*internal=*/true, key, seq);
+        p.interval = std::min(p.interval * 2, milliseconds(1000));
+        p.next = now + p.interval;
+      }
+    }
+  }
+  GatherOutcome out = fut.value();
+  out.led = true;
+  return out;
+}
+
+// One gather of `blob` over `names` (empty: every worker). Strict (`tolerant` false): fails with
+// a DistNetworkError naming the members lost before they contributed. Tolerant: completes among
+// the survivors and lists the lost ones. Either way the outcome is the same on every member, and
+// the lost members are marked lost here too.
+inline GatherOutcome group_gather(const std::shared_ptr<RpcAgent>& agent, std::string blob,
+                                  std::vector<std::string> names, std::chrono::milliseconds timeout,
+                                  bool tolerant, const std::string& op) {
+  using Clock = std::chrono::steady_clock;
   const std::string me = agent->self().name;
   if (names.empty()) {
     for (const auto& w : agent->workers()) names.push_back(w.name);
   }
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
-  if (std::find(names.begin(), names.end(), me) == names.end()) {
+  if (!std::binary_search(names.begin(), names.end(), me)) {
     throw std::invalid_argument("all_gather: this worker (" + me +
                                 ") is not in the list of participants");
   }
   for (const auto& n : names) agent->worker(n);  // unknown names fail here, clearly
   std::string key;
   for (const auto& n : names) key += n + ",";
-  const std::uint64_t seq = agent->next_gather_seq(key);
-  const std::string& leader = names.front();
+  const std::uint64_t seq = agent->gathers().next_seq(key);
   const auto limit = agent->effective_timeout(timeout);
-  if (leader == me) {
-    auto fut = agent->gather_contribute(key, seq, names, me, std::move(blob));
-    const bool done = limit.count() == 0 ? (fut.wait(), true) : fut.wait_for(limit);
-    if (!done) {
-      auto missing = agent->gather_missing(key, seq);
-      std::string list;
-      for (const auto& n : missing) list += (list.empty() ? "" : ", ") + n;
-      const std::string why = "timed out in _all_gather after " + seconds_text(limit) +
-                              " seconds. The following workers did not respond: " + list;
-      agent->gather_fail(key, seq, why);
-      throw RpcTimeoutError(why);
+  const auto deadline = limit.count() > 0 ? Clock::now() + limit : Clock::time_point::max();
+  GatherOutcome out;
+  for (;;) {
+    const auto lost = lost_among(*agent, names);
+    const std::string leader = *std::find_if(names.begin(), names.end(), [&](const std::string& n) {
+      return n == me || !std::binary_search(lost.begin(), lost.end(), n);
+    });
+    if (leader == me) {
+      out = lead_gather(agent, key, seq, names, tolerant, op, std::move(blob), deadline, limit);
+      break;
     }
-    return fut.value();
+    // The leader's verdict comes first: the member's own limit is a little longer, so it fires
+    // only when the leader itself does not answer.
+    std::chrono::milliseconds call_limit{0};
+    if (limit.count() > 0) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      call_limit = std::max(left, std::chrono::milliseconds(1)) +
+                   std::max(std::chrono::milliseconds(1000), limit / 2);
+    }
+    auto reply = send_call<&gather_contribute>(
+        agent, agent->worker(leader), CallOptions{call_limit},
+        /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost);
+    try {
+      wire::decode(reply.value(), out);
+    } catch (const DistNetworkError& e) {
+      // The leader's verdicts are values: a network error means the leader is gone. The next
+      // member in name order leads the same gather.
+      agent->mark_lost(agent->worker(leader).id, e.what());
+      continue;
+    }
+    agent->gathers().remember(key, seq, out);
+    break;
   }
-  auto reply =
-      send_call<&gather_contribute>(agent, agent->worker(leader), CallOptions{limit},
-                                    /*internal=*/true, key, seq, names, me, std::move(blob));
-  std::map<std::string, std::string> out;
-  wire::decode(reply.value(), out);
+  for (const auto& n : out.lost) {
+    agent->mark_lost(agent->worker(n).id, "lost during " + op + " (reported by the group)");
+  }
+  if (out.status == GatherOutcome::Status::lost_members) throw DistNetworkError(out.text);
+  if (out.status == GatherOutcome::Status::timed_out) throw RpcTimeoutError(out.text);
   return out;
+}
+
+// all_gather of opaque blobs (strict); the typed all_gather encodes and decodes around it.
+inline std::map<std::string, std::string> all_gather_blobs(const std::shared_ptr<RpcAgent>& agent,
+                                                           std::string blob,
+                                                           std::vector<std::string> names,
+                                                           std::chrono::milliseconds timeout,
+                                                           const std::string& op = "all_gather") {
+  return group_gather(agent, std::move(blob), std::move(names), timeout, /*tolerant=*/false, op)
+      .values;
 }
 
 template <class V>
@@ -465,31 +582,41 @@ std::map<std::string, V> all_gather(const V& value, std::vector<std::string> nam
 }
 
 // Returns once every worker in `names` (default: all) has reached the barrier.
+// all_gather, barrier and wait_all_workers fail with a DistNetworkError naming the members lost
+// before they arrived (the same error on every member), and with an RpcTimeoutError naming those
+// that did not arrive within `timeout`.
 inline void barrier(std::vector<std::string> names = {},
                     std::chrono::milliseconds timeout = kUnsetRpcTimeout) {
   auto agent = detail::current_agent();
-  detail::all_gather_blobs(agent, std::string(), std::move(names), timeout);
+  detail::all_gather_blobs(agent, std::string(), std::move(names), timeout, "barrier");
 }
 
-// Returns once every worker of the group has called it (the first step of a graceful shutdown).
+// Returns once every worker of the group has called it.
 inline void wait_all_workers(std::chrono::milliseconds timeout = kUnsetRpcTimeout) {
-  barrier({}, timeout);
+  auto agent = detail::current_agent();
+  detail::all_gather_blobs(agent, std::string(), {}, timeout, "wait_all_workers");
 }
 
 // ---- shutdown ----------------------------------------------------------------------------------
 
 namespace detail {
 
-// Group-wide join: repeat all-gathers of the work counters until two consecutive rounds agree
-// and show every sent call answered and no call running anywhere. Monotonic counters make a
-// call that slips between two workers' reports change the totals, so it cannot go unseen.
-inline void join_group_work(const std::shared_ptr<RpcAgent>& agent,
-                            std::chrono::milliseconds timeout) {
+// Group-wide join among the surviving members: repeat (tolerant) all-gathers of the work
+// counters until two consecutive rounds agree, on the totals and on who is lost, and show every
+// sent call answered and no call running anywhere. Monotonic counters make a call that slips
+// between two workers' reports change the totals, so it cannot go unseen. A lost member's calls
+// end on the survivors (they fail naming it), so the survivors' totals balance without it.
+// Returns the lost members.
+inline std::vector<std::string> join_group_work(
+    const std::shared_ptr<RpcAgent>& agent,
+    const std::function<std::chrono::milliseconds()>& time_left) {
   std::optional<WorkCounters> previous;
+  std::vector<std::string> previous_lost;
   while (true) {
-    auto all = all_gather_blobs(agent, to_blob(agent->counters()), {}, timeout);
+    auto round = group_gather(agent, to_blob(agent->counters()), {}, time_left(),
+                              /*tolerant=*/true, "shutdown");
     WorkCounters total;
-    for (auto& [n, b] : all) {
+    for (auto& [n, b] : round.values) {
       auto c = from_blob<WorkCounters>(std::move(b));
       total.client_sent += c.client_sent;
       total.client_done += c.client_done;
@@ -498,27 +625,37 @@ inline void join_group_work(const std::shared_ptr<RpcAgent>& agent,
     }
     const bool idle = total.client_sent == total.client_done && total.server_active == 0 &&
                       total.protocol_pending == 0;
-    if (idle && previous && *previous == total) return;
+    if (idle && previous && *previous == total && previous_lost == round.lost) return round.lost;
     previous = total;
+    previous_lost = round.lost;
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 
-}  // namespace detail
-
-namespace detail {
 // Tests switch the RRef purge of graceful shutdown off to see the leak check fire (PyTorch's
 // tests mock _delete_all_user_and_unforked_owner_rrefs for the same purpose).
 inline std::atomic<bool>& rref_purge_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
+
+// The error of a graceful shutdown that completed among the survivors of a group that lost
+// members: the same text on every survivor.
+inline std::string shutdown_lost_text(const std::vector<std::string>& lost) {
+  return "shutdown: worker(s) lost from the group: " + join_names(lost) +
+         "; the other workers completed their outstanding calls and stopped";
+}
+
 }  // namespace detail
 
 // Stops this process's agent. Graceful (the default): wait for every worker, then until no call
 // is outstanding anywhere in the group, then release every user RRef (and wait until every
 // worker did), check for leaked RRefs, and stop locally; if a step fails its error reaches the
 // caller and the local stop still runs. Not graceful: local stop only, never waits on peers.
+// Members lost (dead, or their connections broke) do not stop a graceful shutdown: the others
+// complete it among themselves without waiting for a timeout, then a DistNetworkError naming the
+// lost members is raised once, after the local stop (the text is the same on every survivor).
+// `timeout`, when positive, bounds the graceful part as a whole.
 // Leaked RRefs (forks still recorded on an owner) fail a graceful shutdown with "Leaking RRef"
 // unless set_ignore_rref_leak(true).
 // Bounded: the local stop waits for handlers and callbacks still running up to `timeout` when it
@@ -530,17 +667,31 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
   auto agent = detail::current_agent();
   std::exception_ptr error;
   std::exception_ptr leak_error;  // reported after a complete (synchronized) local stop
+  std::vector<std::string> lost;  // agreed by the group: reported after the local stop
+  bool led_last = false;          // this worker decided the group's last gather
   if (graceful) {
     try {
-      wait_all_workers(timeout);
-      detail::join_group_work(agent, timeout);
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      // What is left of `timeout` (0, no limit, stays 0); at least 1 ms so a late step times
+      // out with its own text instead of waiting without limit.
+      const auto time_left = [&]() -> std::chrono::milliseconds {
+        if (timeout.count() <= 0) return timeout;
+        return std::max(std::chrono::milliseconds(1),
+                        std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now()));
+      };
+      detail::group_gather(agent, std::string(), {}, time_left(), /*tolerant=*/true, "shutdown");
+      lost = detail::join_group_work(agent, time_left);
       if (detail::rref_purge_enabled().load()) {
-        auto limit = timeout.count() > 0 ? timeout : agent->default_timeout();
+        auto limit = timeout.count() > 0 ? time_left() : agent->default_timeout();
         if (limit.count() == 0) limit = std::chrono::seconds(60);
         agent->rref_context()->purge(limit);
       }
       // Every worker's deletes are answered before anyone checks for leaks.
-      barrier({}, timeout);
+      const auto last = detail::group_gather(agent, std::string(), {}, time_left(),
+                                             /*tolerant=*/true, "shutdown");
+      lost = last.lost;
+      led_last = last.led;
       const std::string leaks = agent->rref_context()->leak_report();
       if (!leaks.empty()) {
         std::fprintf(stderr, "distrpc: %s: RRef leaks detected during shutdown:\n%s",
@@ -552,7 +703,7 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
     }
   }
   try {
-    agent->stop(graceful && !error, timeout);
+    agent->stop(graceful && !error, timeout, led_last);
   } catch (...) {
     if (!error) error = std::current_exception();
   }
@@ -563,6 +714,7 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
     rt.was_shut_down = true;
   }
   if (error) std::rethrow_exception(error);
+  if (!lost.empty()) throw DistNetworkError(detail::shutdown_lost_text(lost));
   if (leak_error) std::rethrow_exception(leak_error);
 }
 

@@ -34,6 +34,12 @@ struct TransportOptions {
   std::string auth_token;                 // optional shared secret checked at the handshake
   wire::Limits limits{};                  // frames beyond these are refused / dropped
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(30)};
+  // How long a refused connection is retried (within connect_timeout). A peer that is still
+  // starting up refuses until it listens, hence the default, which lies beyond any sensible
+  // connect_timeout; an owner that adds a peer only once it listens (the RPC agent: addresses are
+  // published after the listener is up) sets it short, so a refusal then means the peer is gone
+  // and a send fails in milliseconds, not after connect_timeout.
+  std::chrono::milliseconds refused_retry{std::chrono::hours(24)};
 };
 
 // How a Context reports to its owner. Both are called on transport I/O threads: they must be

@@ -754,7 +754,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const auto error = [&](const std::string& what) {
       return DistNetworkError("distrpc shm: cannot connect to " + who + ": " + what);
     };
-    const auto deadline = Clock::now() + options_.connect_timeout;
+    const auto start = Clock::now();
+    const auto deadline = start + options_.connect_timeout;
     auto backoff = std::chrono::milliseconds(10);
     std::string last_error;
     for (;;) {
@@ -767,8 +768,14 @@ class Impl : public std::enable_shared_from_this<Impl> {
         return handshake(std::move(s), id, name, address, who, deadline);
       }
       // Not listening yet (it is starting up), or its backlog is full: retry until the deadline.
-      last_error = "connect: " + errno_text(errno);
+      const int err = errno;
+      last_error = "connect: " + errno_text(err);
       const auto now = Clock::now();
+      if (err == ECONNREFUSED && now - start >= options_.refused_retry) {
+        throw error(
+            "connection refused: nothing listens there any more (the worker exited or "
+            "crashed)");
+      }
       if (now >= deadline) {
         throw error("no connection within " + std::to_string(options_.connect_timeout.count()) +
                     " ms (connect_timeout): " + last_error);

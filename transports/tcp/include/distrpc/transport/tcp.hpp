@@ -775,14 +775,21 @@ class Impl : public std::enable_shared_from_this<Impl> {
       return DistNetworkError("distrpc tcp: cannot connect to " + who + ": " + what);
     };
     const HostPort hp = split_host_port(address);
-    const auto deadline = Clock::now() + options_.connect_timeout;
+    const auto start = Clock::now();
+    const auto deadline = start + options_.connect_timeout;
     auto backoff = std::chrono::milliseconds(10);
     std::string last_error;
     for (;;) {
       if (stopping_.load()) throw error("the transport is shut down");
-      const int fd = try_connect(hp, deadline, last_error);
+      int err = 0;
+      const int fd = try_connect(hp, deadline, last_error, err);
       if (fd >= 0) return handshake(FdGuard(fd), id, name, address, who, deadline);
       const auto now = Clock::now();
+      if (err == ECONNREFUSED && now - start >= options_.refused_retry) {
+        throw error(
+            "connection refused: nothing listens there any more (the worker exited or "
+            "crashed)");
+      }
       if (now >= deadline) {
         throw error("no connection within " + std::to_string(options_.connect_timeout.count()) +
                     " ms (connect_timeout): " + last_error);
@@ -797,8 +804,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
-  // One non-blocking connect per resolved address; -1 with `error` set when none answers.
-  int try_connect(const HostPort& hp, Clock::time_point deadline, std::string& error) {
+  // One non-blocking connect per resolved address; -1 with `error` (and `err`, the last errno)
+  // set when none answers.
+  int try_connect(const HostPort& hp, Clock::time_point deadline, std::string& error, int& err) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -812,10 +820,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
     for (const addrinfo* ai = found; ai; ai = ai->ai_next) {
       FdGuard fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
       if (fd.get() < 0) {
-        error = "socket: " + errno_text(errno);
+        err = errno;
+        error = "socket: " + errno_text(err);
         continue;
       }
-      int err = 0;
+      err = 0;
       if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
         err = errno;
         if (err == EINPROGRESS || err == EINTR) {
