@@ -91,6 +91,13 @@ passed=$((passed + cp_)); failed=$((failed + cf_))
 echo "   $cf"
 [ "$cf_" -eq 0 ] || cat "$logdir/compile_fail.log"
 
+echo "== layering (a header includes only its own layer and those below: docs/architecture.md)"
+if bash tests/layering/check.sh >"$logdir/layering.log" 2>&1; then
+  passed=$((passed + 1)); echo "   $(tail -2 "$logdir/layering.log" | head -1)"
+else
+  failed=$((failed + 1)); echo "   FAILED"; cat "$logdir/layering.log"
+fi
+
 echo "== consumer (distrpc as a Meson subproject)"
 if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"

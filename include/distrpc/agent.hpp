@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/agent/call_table.hpp"
 #include "distrpc/agent/gather_table.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
@@ -41,28 +42,6 @@ namespace distrpc {
 
 using std::chrono::milliseconds;
 
-inline std::string timeout_text(milliseconds t) {
-  return "RPC ran for more than set timeout (" + std::to_string(t.count()) +
-         " ms) and will now be marked with an error";
-}
-
-// Counters the graceful-shutdown join compares across the group: user calls and RRef protocol
-// messages (not the agent's own all-gathers).
-struct WorkCounters {
-  std::uint64_t client_sent = 0;    // requests this worker sent
-  std::uint64_t client_done = 0;    // of those, answered, failed or timed out
-  std::uint64_t server_active = 0;  // requests being run here (including pending async ones)
-  // RRef protocol steps under way here between two counted messages (a fork request queued but
-  // not sent yet, a child accept due after a confirmation): a gauge, 0 when idle.
-  std::uint64_t protocol_pending = 0;
-
-  friend bool operator==(const WorkCounters&, const WorkCounters&) = default;
-  template <class Archive>
-  void serialize(Archive& ar) {
-    ar(client_sent, client_done, server_active, protocol_pending);
-  }
-};
-
 // Shared-owned (init_rpc makes it with make_shared): a stop that abandons threads still running
 // user code keeps the agent alive through its own shared_ptr (stop(), keep_alive_forever()).
 class RpcAgent : public detail::RRefHost,
@@ -79,9 +58,9 @@ class RpcAgent : public detail::RRefHost,
         // Callbacks may block on nested calls: this pool grows instead of starving them.
         callback_pool_("rpc-callback", 2, 1024),
         rref_ctx_(std::make_shared<RRefContext>(*this)),
-        timer_([this] { run_timer(); }) {}
+        calls_([this](std::function<void()> fn) { return callback_pool_.post(std::move(fn)); }) {}
 
-  ~RpcAgent() override { stop_timer(); }
+  ~RpcAgent() override { calls_.stop(); }
   RpcAgent(const RpcAgent&) = delete;
   RpcAgent& operator=(const RpcAgent&) = delete;
 
@@ -184,27 +163,9 @@ class RpcAgent : public detail::RRefHost,
                    " on " + to.str()));
       return fut;
     }
-    const std::uint64_t id = next_id_.fetch_add(1) + 1;
+    const std::uint64_t id = calls_.add(to, fut, timeout, internal, what);
     request.type = type;
     request.id = id;
-    bool wake_timer = false;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      Pending p{to, fut, timeout, internal, what, deadlines_.end()};
-      if (timeout.count() > 0) {
-        const auto at = Clock::now() + timeout;
-        p.deadline = deadlines_.emplace(at, id);
-        // Wake the timer only if it would sleep past this deadline: with one timeout for every
-        // call that is rare, not once per call (a futex wake-up and a context switch each).
-        if (at < timer_wakes_at_) {
-          timer_wakes_at_ = at;
-          wake_timer = true;
-        }
-      }
-      calls_.emplace(id, std::move(p));
-      if (!internal) ++counters_.client_sent;
-    }
-    if (wake_timer) timer_cv_.notify_one();
     if (to.id == self_.id) {
       // A call to self skips the transport but keeps value semantics: the callee gets copies.
       detail_clone_buffers(request);
@@ -295,12 +256,7 @@ class RpcAgent : public detail::RRefHost,
         who = WorkerInfo{peer, "worker id " + std::to_string(peer)};
       }
     }
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      for (auto& [id, p] : calls_) {
-        if (p.to.id == peer) lost.emplace_back(id, p.what);
-      }
-    }
+    lost = calls_.calls_to(peer);
     mark_lost(peer, reason);
     for (auto& [id, what] : lost) {
       fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
@@ -340,20 +296,12 @@ class RpcAgent : public detail::RRefHost,
   }
 
   // ---- bookkeeping -------------------------------------------------------------------------
-  WorkCounters counters() const {
-    std::lock_guard<std::mutex> lk(calls_mu_);
-    return counters_;
-  }
+  WorkCounters counters() const { return calls_.counters(); }
 
   std::map<std::string, std::string> debug_info() const {
     std::map<std::string, std::string> out;
-    std::size_t pending = 0;
-    WorkCounters c;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      pending = calls_.size();
-      c = counters_;
-    }
+    const std::size_t pending = calls_.size();
+    const WorkCounters c = calls_.counters();
     out["agent.transport"] = transport_name();
     out["thread_pool_size"] = std::to_string(request_pool_.base_size());
     out["num_idle_threads"] = std::to_string(request_pool_.idle());
@@ -386,25 +334,11 @@ class RpcAgent : public detail::RRefHost,
     return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
   }
   bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
-  void host_protocol_begin(std::uint64_t steps) override {
-    std::lock_guard<std::mutex> lk(calls_mu_);
-    counters_.protocol_pending += steps;
-  }
-  void host_protocol_end(std::uint64_t steps) override {
-    std::lock_guard<std::mutex> lk(calls_mu_);
-    counters_.protocol_pending -= steps;
-  }
+  void host_protocol_begin(std::uint64_t steps) override { calls_.protocol_begin(steps); }
+  void host_protocol_end(std::uint64_t steps) override { calls_.protocol_end(steps); }
   bool host_after(milliseconds delay, std::function<void()> fn) override {
-    const auto at = Clock::now() + delay;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      if (timer_stop_ || stopped_.load()) return false;
-      timed_tasks_.emplace(at, std::move(fn));
-      if (at >= timer_wakes_at_) return true;
-      timer_wakes_at_ = at;
-    }
-    timer_cv_.notify_one();
-    return true;
+    if (stopped_.load()) return false;
+    return calls_.after(delay, std::move(fn));
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
   detail::ExecutorFn host_user_executor() override {
@@ -544,7 +478,7 @@ class RpcAgent : public detail::RRefHost,
     const std::size_t on_requests = request_pool_.shutdown(deadline, /*drop_queued=*/!sync_exit);
     // Callbacks still queued run (they complete futures users may wait on), within the bound.
     const std::size_t on_callbacks = callback_pool_.shutdown(deadline);
-    stop_timer();
+    calls_.stop();
     if (const std::size_t n = on_readers + on_requests + on_callbacks; n > 0) {
       std::fprintf(stderr,
                    "distrpc: %s: shutdown abandoned %zu thread(s) still running user code after "
@@ -586,42 +520,13 @@ class RpcAgent : public detail::RRefHost,
     kept->push_back(std::move(agent));
   }
 
-  void stop_timer() {
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      timer_stop_ = true;
-    }
-    timer_cv_.notify_all();
-    if (timer_.joinable()) timer_.join();
-    // Timed tasks that never ran (they hold their owners, e.g. the RRef context) go now.
-    std::multimap<Clock::time_point, std::function<void()>> never_run;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      never_run.swap(timed_tasks_);
-    }
-  }
-
   // Fails every call still waiting for a reply (local stop).
   void fail_pending_calls() {
-    std::vector<std::uint64_t> ids;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      for (auto& [id, p] : calls_) ids.push_back(id);
-    }
-    for (auto id : ids) {
+    for (const auto& [id, what] : calls_.calls_to(-1)) {
       fail_call(id, std::make_exception_ptr(
                         RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
     }
   }
-
-  struct Pending {
-    WorkerInfo to;
-    Future<wire::Message> future;
-    milliseconds timeout;
-    bool internal;
-    std::string what;
-    std::multimap<Clock::time_point, std::uint64_t>::iterator deadline;
-  };
 
   std::string key(const std::string& k) const { return "distrpc/rpc/" + k; }
 
@@ -644,60 +549,21 @@ class RpcAgent : public detail::RRefHost,
   }
 
   // Removes call `id` and fails its future; false if it already completed.
-  bool fail_call(std::uint64_t id, std::exception_ptr e) {
-    Future<wire::Message> f;
-    bool internal = true;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      auto it = calls_.find(id);
-      if (it == calls_.end()) return false;
-      f = it->second.future;
-      internal = it->second.internal;
-      if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
-      calls_.erase(it);
-      count_done_locked(internal);
-    }
-    f.try_set_exception(std::move(e));
-    settled(internal);
-    return true;
-  }
-
-  // A call is done, but its future's inline callbacks have not run yet; those may queue RRef
-  // protocol work. The gauge covers that gap, so the join never sees "idle" in between.
-  void count_done_locked(bool internal) {
-    if (internal) return;
-    ++counters_.client_done;
-    ++counters_.protocol_pending;
-  }
-  void settled(bool internal) {
-    if (internal) return;
-    std::lock_guard<std::mutex> lk(calls_mu_);
-    --counters_.protocol_pending;
-  }
+  bool fail_call(std::uint64_t id, std::exception_ptr e) { return calls_.fail(id, std::move(e)); }
 
   void complete_call(int peer, wire::Message&& m) {
-    Future<wire::Message> f;
-    WorkerInfo to;
-    bool internal = true;
-    {
-      std::lock_guard<std::mutex> lk(calls_mu_);
-      auto it = calls_.find(m.id);
-      if (it == calls_.end()) return;  // timed out or failed already: the late reply is dropped
-      if (it->second.to.id != peer) {
-        std::fprintf(stderr,
-                     "distrpc: %s: dropping a reply for call %llu from worker %d: the call went "
-                     "to %s\n",
-                     self_.name.c_str(), static_cast<unsigned long long>(m.id), peer,
-                     it->second.to.str().c_str());
-        return;
-      }
-      f = it->second.future;
-      to = it->second.to;
-      internal = it->second.internal;
-      if (it->second.deadline != deadlines_.end()) deadlines_.erase(it->second.deadline);
-      calls_.erase(it);
-      count_done_locked(internal);
+    auto taken = calls_.take(m.id, peer);
+    if (taken.other_peer) {
+      std::fprintf(stderr,
+                   "distrpc: %s: dropping a reply for call %llu from worker %d: the call went "
+                   "to %s\n",
+                   self_.name.c_str(), static_cast<unsigned long long>(m.id), peer,
+                   taken.other_peer->str().c_str());
+      return;
     }
+    if (!taken.call) return;  // timed out or failed already: the late reply is dropped
+    auto& f = taken.call->future;
+    const WorkerInfo& to = taken.call->to;
     if (m.type == wire::MessageType::Exception) {
       WireException w;
       try {
@@ -709,7 +575,7 @@ class RpcAgent : public detail::RRefHost,
     } else {
       f.try_set_value(std::move(m));
     }
-    settled(internal);
+    calls_.settled(taken.call->internal);
   }
 
   void handle_request(int peer, wire::Message&& req) {
@@ -724,8 +590,7 @@ class RpcAgent : public detail::RRefHost,
         peek(h);
       }
       if (!h.internal) {
-        std::lock_guard<std::mutex> lk(calls_mu_);
-        ++counters_.server_active;
+        calls_.server_begin();
         counted = true;
       }
       auto entry = Registry::instance().find(h.name);
@@ -807,10 +672,7 @@ class RpcAgent : public detail::RRefHost,
       }
       out.id = id;
       send_reply(peer, std::move(out));
-      if (counted) {
-        std::lock_guard<std::mutex> lk(calls_mu_);
-        --counters_.server_active;
-      }
+      if (counted) calls_.server_end();
     };
     if (result.done()) {
       respond(result);
@@ -844,53 +706,6 @@ class RpcAgent : public detail::RRefHost,
       if (stopped_.load()) return;
       std::fprintf(stderr, "distrpc: %s: could not send a reply to worker %d: %s\n",
                    self_.name.c_str(), peer, e.what());
-    }
-  }
-
-  // Fails calls at their deadlines and hands timed library tasks (host_after) to the callback
-  // pool: it never runs them itself, so a task that blocks cannot delay a timeout.
-  void run_timer() {
-    std::unique_lock<std::mutex> lk(calls_mu_);
-    while (!timer_stop_) {
-      if (deadlines_.empty() && timed_tasks_.empty()) {
-        timer_wakes_at_ = Clock::time_point::max();
-        timer_cv_.wait(lk,
-                       [&] { return timer_stop_ || !deadlines_.empty() || !timed_tasks_.empty(); });
-        continue;
-      }
-      // Sleeps until the earliest deadline known now; a call that ends earlier leaves it as is
-      // (the wake-up then finds nothing due and sleeps on to the next one).
-      auto next = Clock::time_point::max();
-      if (!deadlines_.empty()) next = deadlines_.begin()->first;
-      if (!timed_tasks_.empty()) next = std::min(next, timed_tasks_.begin()->first);
-      if (Clock::now() < next) {
-        timer_wakes_at_ = next;
-        timer_cv_.wait_until(lk, next);
-        continue;
-      }
-      if (!timed_tasks_.empty() && timed_tasks_.begin()->first == next) {
-        std::function<void()> fn = std::move(timed_tasks_.begin()->second);
-        timed_tasks_.erase(timed_tasks_.begin());
-        lk.unlock();
-        callback_pool_.post(std::move(fn));  // refused once stopping: the task's owner cleans up
-        lk.lock();
-        continue;
-      }
-      const std::uint64_t id = deadlines_.begin()->second;
-      deadlines_.erase(deadlines_.begin());
-      auto it = calls_.find(id);
-      if (it == calls_.end()) continue;
-      it->second.deadline = deadlines_.end();
-      auto f = it->second.future;
-      const std::string text = timeout_text(it->second.timeout) + " (" + it->second.what + " on " +
-                               it->second.to.str() + ")";
-      const bool internal = it->second.internal;
-      calls_.erase(it);
-      count_done_locked(internal);
-      lk.unlock();
-      f.try_set_exception(std::make_exception_ptr(RpcTimeoutError(text)));
-      lk.lock();
-      if (!internal) --counters_.protocol_pending;
     }
   }
 
@@ -959,17 +774,6 @@ class RpcAgent : public detail::RRefHost,
   std::atomic<bool> group_ready_{false};
   std::vector<std::pair<int, wire::Message>> early_requests_;
 
-  mutable std::mutex calls_mu_;
-  std::unordered_map<std::uint64_t, Pending> calls_;
-  std::multimap<Clock::time_point, std::uint64_t> deadlines_;
-  std::multimap<Clock::time_point, std::function<void()>> timed_tasks_;  // host_after()
-  WorkCounters counters_;
-  std::atomic<std::uint64_t> next_id_{0};
-  std::condition_variable timer_cv_;
-  // When the timer thread wakes next (max: not before a notify); guarded by calls_mu_.
-  Clock::time_point timer_wakes_at_ = Clock::time_point::max();
-  bool timer_stop_ = false;
-
   detail::GatherTable gathers_;
 
   std::shared_ptr<store::Store> store_;
@@ -978,7 +782,8 @@ class RpcAgent : public detail::RRefHost,
   ThreadPool request_pool_;
   ThreadPool callback_pool_;
   std::shared_ptr<RRefContext> rref_ctx_;
-  std::thread timer_;
+  // Last: its timer posts timed tasks to the callback pool, so it stops before the pools go.
+  detail::CallTable<wire::Message> calls_;
 };
 
 // Binds the agent to a transport policy chosen at compile time.

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Keeps the layering true: a header may include only headers of its own layer or of a layer below
+# it (docs/architecture.md lists the layers; the map below mirrors that table). Includes that go
+# up and are not listed in known_exceptions.txt fail the check, and so does a listed exception
+# that no longer occurs (the list can only shrink). Last line: "N passed, M failed".
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+# layer_of HEADER (as included: distrpc/...): prints the layer's rank, bottom-up.
+layer_of() {
+  case "$1" in
+    distrpc/future.hpp | distrpc/error.hpp | distrpc/rpc_error.hpp | distrpc/worker_info.hpp | \
+      distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
+      distrpc/function_id.hpp) echo 0 ;;                                      # values
+    distrpc/wire.hpp | distrpc/wire/*) echo 1 ;;                              # wire
+    distrpc/store.hpp | distrpc/store/*) echo 2 ;;                            # store
+    distrpc/transport/*) echo 3 ;;                                            # transport
+    distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
+      distrpc/backends.hpp) echo 4 ;;                                         # agent
+    distrpc/rref.hpp | distrpc/rref/*) echo 5 ;;                              # refs
+    distrpc/nn/*) echo 6 ;;                                                   # modules
+    distrpc/distrpc.hpp) echo 9 ;;                                            # everything
+    *) echo "?" ;;
+  esac
+}
+names=(values wire store transport agent refs modules - - umbrella)
+
+exceptions=tests/layering/known_exceptions.txt
+declare -A known=()
+while read -r line; do
+  case "$line" in "" | "#"*) continue ;; esac
+  known["$line"]=1
+done <"$exceptions"
+
+passed=0
+failed=0
+declare -A seen=()
+while IFS= read -r file; do
+  # The header's own name as it is included: the path below include/.
+  self="${file#*include/}"
+  from=$(layer_of "$self")
+  if [ "$from" = "?" ]; then
+    echo "layering: $self belongs to no layer: add it to tests/layering/check.sh and docs/architecture.md"
+    failed=$((failed + 1))
+    continue
+  fi
+  while IFS= read -r inc; do
+    to=$(layer_of "$inc")
+    if [ "$to" = "?" ]; then
+      echo "layering: $self includes $inc, which belongs to no layer"
+      failed=$((failed + 1))
+    elif [ "$to" -gt "$from" ]; then
+      edge="$self -> $inc"
+      if [ -n "${known[$edge]:-}" ]; then
+        seen["$edge"]=1
+      else
+        echo "layering: $self (${names[$from]}) includes $inc (${names[$to]}), a layer above it"
+        failed=$((failed + 1))
+      fi
+    fi
+  done < <(sed -nE 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*[<"](distrpc\/[^>"]+)[>"].*/\1/p' "$file")
+  passed=$((passed + 1))
+done < <(find include transports -name '*.hpp' | sort)
+
+for edge in "${!known[@]}"; do
+  if [ -z "${seen[$edge]:-}" ]; then
+    echo "layering: '$edge' is listed in $exceptions but no longer occurs: remove it from the list"
+    failed=$((failed + 1))
+  fi
+done
+echo "layering: ${#seen[@]} known exception(s) left (see $exceptions)"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
