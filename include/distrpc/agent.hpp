@@ -25,13 +25,13 @@
 #include <vector>
 
 #include "distrpc/agent/call_table.hpp"
+#include "distrpc/agent/extension.hpp"
 #include "distrpc/agent/gather_table.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
-#include "distrpc/rref/context.hpp"
 #include "distrpc/store/store.hpp"
 #include "distrpc/thread_pool.hpp"
 #include "distrpc/transport/transport.hpp"
@@ -44,7 +44,7 @@ using std::chrono::milliseconds;
 
 // Shared-owned (init_rpc makes it with make_shared): a stop that abandons threads still running
 // user code keeps the agent alive through its own shared_ptr (stop(), keep_alive_forever()).
-class RpcAgent : public detail::RRefHost,
+class RpcAgent : public AgentServices,
                  public detail::WaitDriver,
                  public std::enable_shared_from_this<RpcAgent> {
  public:
@@ -57,7 +57,7 @@ class RpcAgent : public detail::RRefHost,
                       static_cast<std::size_t>(std::max(1, opts.num_worker_threads))),
         // Callbacks may block on nested calls: this pool grows instead of starving them.
         callback_pool_("rpc-callback", 2, 1024),
-        rref_ctx_(std::make_shared<RRefContext>(*this)),
+        extensions_(make_agent_extensions(*this)),
         calls_([this](std::function<void()> fn) { return callback_pool_.post(std::move(fn)); }) {}
 
   ~RpcAgent() override { calls_.stop(); }
@@ -146,9 +146,9 @@ class RpcAgent : public detail::RRefHost,
   // ---- calls -------------------------------------------------------------------------------
   // Sends a request (header + arguments already encoded) and returns the future of the response
   // message. `what` names the call in error texts. Errors (unreachable peer, shut down, timeout,
-  // peer lost, remote exception) arrive through the future. `type` is Request, or an RRef control
-  // kind (handled on the callee's callback pool). `on_unsent` runs if the message surely never
-  // left (the transport refused it), so forks made while encoding it can be undone.
+  // peer lost, remote exception) arrive through the future. `type` is Request, or a control kind
+  // of a layer plugged in (handled on the callee's callback pool). `on_unsent` runs if the message
+  // surely never left (the transport refused it), so what encoding it did can be undone.
   Future<wire::Message> call(const WorkerInfo& to, wire::Message&& request, milliseconds timeout,
                              bool internal, const std::string& what,
                              wire::MessageType type = wire::MessageType::Request,
@@ -264,7 +264,9 @@ class RpcAgent : public detail::RRefHost,
                                                              ")")));
     }
     // Forks the lost peer held are released; values may be destroyed, so not on this thread.
-    callback_pool_.post([ctx = rref_ctx_, peer] { ctx->on_peer_lost(peer); });
+    for (const auto& x : extensions_) {
+      callback_pool_.post([x, peer] { x->on_peer_lost(peer); });
+    }
   }
 
   // ---- membership and the group protocol ------------------------------------------------
@@ -310,14 +312,22 @@ class RpcAgent : public detail::RRefHost,
     out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
     out["num_active_server_calls"] = std::to_string(c.server_active);
     out["callback_pool_size"] = std::to_string(callback_pool_.size());
-    for (auto& [k, v] : rref_ctx_->debug_info()) out[k] = v;
+    for (const auto& x : extensions_) x->add_debug_info(out);
     return out;
   }
 
-  // The RRef bookkeeping of this agent (rref.hpp uses it; docs/rref.md).
-  const std::shared_ptr<RRefContext>& rref_context() const { return rref_ctx_; }
+  // The layers plugged into this agent (extension.hpp).
+  const std::vector<std::shared_ptr<AgentExtension>>& extensions() const { return extensions_; }
+  // The instance of layer E plugged into this agent (null if E registered no extension).
+  template <class E>
+  std::shared_ptr<E> extension() const {
+    for (const auto& x : extensions_) {
+      if (auto e = std::dynamic_pointer_cast<E>(x)) return e;
+    }
+    return nullptr;
+  }
 
-  // ---- RRefHost --------------------------------------------------------------------------------
+  // ---- AgentServices (what the layers plugged in use) ------------------------------------------
   const WorkerInfo& host_self() const override { return self_; }
   WorkerInfo host_worker(int id) const override { return worker(id); }
   milliseconds host_timeout(milliseconds requested) const override {
@@ -445,8 +455,8 @@ class RpcAgent : public detail::RRefHost,
   // leave last when the store cannot order the exit.
   void stop(bool sync_exit, milliseconds timeout, bool led_last = false) {
     if (stopped_.exchange(true)) return;
-    // No RRef protocol message is sent from now on; user RRefs still alive are dead.
-    rref_ctx_->close();
+    // No layer sends a protocol message from now on (e.g. user RRefs still alive are dead).
+    for (const auto& x : extensions_) x->on_stop();
     std::exception_ptr barrier_error;
     if (sync_exit && store_) {
       try {
@@ -604,29 +614,43 @@ class RpcAgent : public detail::RRefHost,
                        ": the callee's is '" + entry->signature_text +
                        "' and the caller's differs (rebuild both sides from the same source)");
       }
-      // RRefs among the arguments come from `peer`; RRefs in the result go back to it.
-      detail::RRefEncodeScope enc{rref_ctx_, peer, {}};
-      detail::RRefDecodeScope dec{rref_ctx_, peer, {}};
-      detail::EncodeScopeGuard enc_guard(detail::tls_rref_encode, &enc);
-      detail::DecodeScopeGuard dec_guard(detail::tls_rref_decode, &dec);
-      if (h.mode == CallMode::remote) {
-        result = rref_ctx_->run_remote(peer, h, entry->remote_handler, req);
-      } else {
-        result = entry->handler(req);
+      // The layers' scopes around the run (e.g. RRefs among the arguments come from `peer`,
+      // RRefs in the result go back to it), released in reverse order.
+      std::vector<std::shared_ptr<void>> scopes;
+      for (const auto& x : extensions_) {
+        if (auto scope = x->enter_request(peer)) scopes.push_back(std::move(scope));
       }
+      if (h.mode == CallMode::call) {
+        result = entry->handler(req);
+      } else {
+        std::optional<Future<wire::Message>> ran;
+        for (const auto& x : extensions_) {
+          if ((ran = x->run_request(peer, h, *entry, req))) break;
+        }
+        if (!ran) {
+          throw RpcError("no layer on " + self_.str() + " runs requests of mode " +
+                         std::to_string(static_cast<int>(h.mode)) + " (function '" + h.name +
+                         "')");
+        }
+        result = std::move(*ran);
+      }
+      while (!scopes.empty()) scopes.pop_back();
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
-    // A remote() that never ran (run_remote() keeps the value's own failures in the RRef): a
-    // fetch its creator sent along must not wait for it. After the reply, so the creator learns
-    // of the failed creation before the fetch's answer.
+    // A request of a layer's own mode that never ran: the layer learns of it after the reply (a
+    // remote() whose creator sent a fetch along: the creator learns of the failed creation
+    // first).
     std::exception_ptr unrun =
-        h.mode == CallMode::remote && result.has_error() ? result.exception_ptr() : nullptr;
+        h.mode != CallMode::call && result.has_error() ? result.exception_ptr() : nullptr;
     reply_when_done(peer, id, h.name, counted, std::move(result));
-    if (unrun) rref_ctx_->remote_not_run(peer, h.rref_id, std::move(unrun));
+    if (unrun) {
+      for (const auto& x : extensions_) x->request_not_run(peer, h, unrun);
+    }
   }
 
-  // An RRef protocol message (on the callback pool).
+  // A control message of a layer plugged in (on the callback pool): its block of kinds names the
+  // layer (AgentExtension::kKindsPerExtension).
   void handle_control(int peer, wire::Message&& req) {
     const std::uint64_t id = req.id;
     const int kind =
@@ -634,12 +658,18 @@ class RpcAgent : public detail::RRefHost,
     Future<wire::Message> result;
     std::string name = "control message " + std::to_string(kind);
     try {
-      if (kind < 0 || kind >= kRRefControlKinds) {
+      const int layer = kind / AgentExtension::kKindsPerExtension;
+      AgentExtension* owner = nullptr;
+      for (const auto& x : extensions_) {
+        if (x->id() == layer) owner = x.get();
+      }
+      if (kind < 0 || owner == nullptr) {
         throw RpcError("unknown control message kind " + std::to_string(kind) + " from worker " +
                        std::to_string(peer) + " (on " + self_.str() + ")");
       }
-      name = rref_control_name(static_cast<RRefControl>(kind));
-      result = rref_ctx_->handle_control(peer, static_cast<RRefControl>(kind), req);
+      const int own = kind % AgentExtension::kKindsPerExtension;
+      name = owner->control_name(own);
+      result = owner->handle_control(peer, own, req);
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
@@ -781,7 +811,8 @@ class RpcAgent : public detail::RRefHost,
 
   ThreadPool request_pool_;
   ThreadPool callback_pool_;
-  std::shared_ptr<RRefContext> rref_ctx_;
+  // The layers plugged in (extension.hpp), one instance each, in id order.
+  const std::vector<std::shared_ptr<AgentExtension>> extensions_;
   // Last: its timer posts timed tasks to the callback pool, so it stops before the pools go.
   detail::CallTable<wire::Message> calls_;
 };

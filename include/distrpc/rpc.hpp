@@ -32,6 +32,7 @@
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
+#include "distrpc/rref/context.hpp"
 #include "distrpc/store/rendezvous.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/worker_info.hpp"
@@ -105,7 +106,7 @@ template <class T>
 Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent,
                        int from) {
   Future<T> typed =
-      reply.then([ctx = agent->rref_context(), from](const Future<wire::Message>& done) {
+      reply.then([ctx = rref_context_of(*agent), from](const Future<wire::Message>& done) {
         if constexpr (std::is_void_v<T>) {
           done.value();
         } else {
@@ -163,7 +164,7 @@ Future<wire::Message> send_packed(const std::shared_ptr<RpcAgent>& agent, const 
                                   const Packed& packed, const std::string& what) {
   wire::Message m;
   auto scope = std::make_shared<RRefEncodeScope>();
-  scope->ctx = agent->rref_context();
+  scope->ctx = rref_context_of(*agent);
   scope->dst = dst.id;
   {
     EncodeScopeGuard guard(tls_rref_encode, scope.get());
@@ -632,13 +633,6 @@ inline std::vector<std::string> join_group_work(
   }
 }
 
-// Tests switch the RRef purge of graceful shutdown off to see the leak check fire (PyTorch's
-// tests mock _delete_all_user_and_unforked_owner_rrefs for the same purpose).
-inline std::atomic<bool>& rref_purge_enabled() {
-  static std::atomic<bool> on{true};
-  return on;
-}
-
 // The error of a graceful shutdown that completed among the survivors of a group that lost
 // members: the same text on every survivor.
 inline std::string shutdown_lost_text(const std::vector<std::string>& lost) {
@@ -682,21 +676,18 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
       };
       detail::group_gather(agent, std::string(), {}, time_left(), /*tolerant=*/true, "shutdown");
       lost = detail::join_group_work(agent, time_left);
-      if (detail::rref_purge_enabled().load()) {
-        auto limit = timeout.count() > 0 ? time_left() : agent->default_timeout();
-        if (limit.count() == 0) limit = std::chrono::seconds(60);
-        agent->rref_context()->purge(limit);
-      }
-      // Every worker's deletes are answered before anyone checks for leaks.
+      // The layers release what this worker holds of others (RRefs: every user RRef).
+      auto limit = timeout.count() > 0 ? time_left() : agent->default_timeout();
+      if (limit.count() == 0) limit = std::chrono::seconds(60);
+      for (const auto& x : agent->extensions()) x->before_exit(limit);
+      // Every worker's releases are answered before anyone checks for leaks.
       const auto last = detail::group_gather(agent, std::string(), {}, time_left(),
                                              /*tolerant=*/true, "shutdown");
       lost = last.lost;
       led_last = last.led;
-      const std::string leaks = agent->rref_context()->leak_report();
-      if (!leaks.empty()) {
-        std::fprintf(stderr, "distrpc: %s: RRef leaks detected during shutdown:\n%s",
-                     agent->self().name.c_str(), leaks.c_str());
-        if (!ignore_rref_leak_flag().load()) leak_error = std::make_exception_ptr(RpcError(leaks));
+      for (const auto& x : agent->extensions()) {
+        const std::string leaks = x->report_leaks();
+        if (!leaks.empty() && !leak_error) leak_error = std::make_exception_ptr(RpcError(leaks));
       }
     } catch (...) {
       error = std::current_exception();

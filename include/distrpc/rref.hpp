@@ -65,7 +65,7 @@ class RRef {
       : RRef(std::make_shared<T>(std::move(value))) {}
   explicit RRef(std::shared_ptr<T> value) {
     if (!value) throw std::invalid_argument("distrpc::RRef<T>: null value");
-    impl_ = detail::current_agent()->rref_context()->make_local_owner(
+    impl_ = detail::rref_context_of(*detail::current_agent())->make_local_owner(
         std::static_pointer_cast<void>(std::move(value)), detail::value_ops<T>());
   }
   // A local owner RRef of T(args...), for types that cannot be moved (mutexes inside).
@@ -467,7 +467,7 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
                       CallOptions opts, RequestHeader header, const Packed& packed,
                       const std::string& what) {
   const auto timeout = agent->effective_timeout(opts.timeout);
-  auto ctx = agent->rref_context();
+  auto ctx = detail::rref_context_of(*agent);
   const std::uint64_t type_hash = type_hash_of<rref_storage_t<R>>();
   std::shared_ptr<RRefImpl> impl = dst.id == agent->self().id
                                        ? ctx->begin_remote_self(type_hash)

@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/agent/extension.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
@@ -91,32 +92,16 @@ inline void set_ignore_rref_leak(bool ignore) {
 }
 
 namespace detail {
+// Tests switch the RRef purge of graceful shutdown off to see the leak check fire (PyTorch's
+// tests mock _delete_all_user_and_unforked_owner_rrefs for the same purpose).
+inline std::atomic<bool>& rref_purge_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace detail
 
-// What the context needs from the agent.
-class RRefHost {
- public:
-  virtual const WorkerInfo& host_self() const = 0;
-  virtual WorkerInfo host_worker(int id) const = 0;
-  virtual std::chrono::milliseconds host_timeout(std::chrono::milliseconds requested) const = 0;
-  // A protocol request to `to`, counted in the graceful-shutdown join like a user call.
-  virtual Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
-                                                  std::chrono::milliseconds timeout,
-                                                  const std::string& what) = 0;
-  // Queues library work on the callback pool; false once the agent stopped.
-  virtual bool host_post(std::function<void()> fn) = 0;
-  // `steps` protocol steps are under way locally (between two counted messages): the join waits.
-  virtual void host_protocol_begin(std::uint64_t steps) = 0;
-  virtual void host_protocol_end(std::uint64_t steps) = 0;
-  // Queues `fn` on the callback pool `delay` from now; false once the agent stopped (fn dropped).
-  virtual bool host_after(std::chrono::milliseconds delay, std::function<void()> fn) = 0;
-  // Where user callbacks of futures handed to the user run.
-  virtual ExecutorFn host_user_executor() = 0;
-  // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
-  virtual std::weak_ptr<WaitDriver> host_wait_driver() = 0;
+namespace detail {
 
- protected:
-  virtual ~RRefHost() = default;
-};
 
 // One released fork in a UserDelete message (which carries a batch of them).
 struct UserDeleteEntry {
@@ -221,18 +206,72 @@ inline std::string exception_text(const std::exception_ptr& e) {
 
 }  // namespace detail
 
-class RRefContext : public std::enable_shared_from_this<RRefContext> {
+class RRefContext : public AgentExtension, public std::enable_shared_from_this<RRefContext> {
  public:
   using Impl = detail::RRefImpl;
   using ImplPtr = std::shared_ptr<detail::RRefImpl>;
   using CellPtr = std::shared_ptr<detail::OwnerCell>;
 
-  explicit RRefContext(detail::RRefHost& host) : host_(host) {}
+  explicit RRefContext(AgentServices& host) : host_(host) {}
   RRefContext(const RRefContext&) = delete;
   RRefContext& operator=(const RRefContext&) = delete;
 
   const WorkerInfo& self() const { return host_.host_self(); }
-  detail::RRefHost& host() { return host_; }
+  AgentServices& host() { return host_; }
+
+  // ---- the agent's extension points (agent/extension.hpp) -----------------------------------
+  static constexpr int kExtensionId = 0;  // control kinds 0..15: rref_message_type()
+  int id() const override { return kExtensionId; }
+  std::string control_name(int kind) const override {
+    return rref_control_name(static_cast<RRefControl>(kind));
+  }
+  Future<wire::Message> handle_control(int peer, int kind, const wire::Message& m) override {
+    if (kind < 0 || kind >= kRRefControlKinds) {
+      throw RpcError("unknown RRef control message kind " + std::to_string(kind) +
+                     " from worker " + std::to_string(peer) + " (on " + self().str() + ")");
+    }
+    return handle_control(peer, static_cast<RRefControl>(kind), m);
+  }
+  // RRefs among a request's arguments come from `peer`; RRefs in its result go back to it.
+  std::shared_ptr<void> enter_request(int peer) override {
+    struct Scopes {
+      detail::RRefEncodeScope enc;
+      detail::RRefDecodeScope dec;
+      detail::EncodeScopeGuard enc_guard;
+      detail::DecodeScopeGuard dec_guard;
+      Scopes(std::shared_ptr<RRefContext> ctx, int from)
+          : enc{ctx, from, {}},
+            dec{std::move(ctx), from, {}},
+            enc_guard(detail::tls_rref_encode, &enc),
+            dec_guard(detail::tls_rref_decode, &dec) {}
+    };
+    return std::make_shared<Scopes>(shared_from_this(), peer);
+  }
+  std::optional<Future<wire::Message>> run_request(int peer, const RequestHeader& h,
+                                                   const detail::RegistryEntry& entry,
+                                                   wire::Message& request) override {
+    if (h.mode != CallMode::remote) return std::nullopt;
+    return run_remote(peer, h, entry.remote_handler, request);
+  }
+  void request_not_run(int peer, const RequestHeader& h, std::exception_ptr error) override {
+    if (h.mode == CallMode::remote) remote_not_run(peer, h.rref_id, std::move(error));
+  }
+  void before_exit(std::chrono::milliseconds limit) override {
+    if (detail::rref_purge_enabled().load()) purge(limit);
+  }
+  // Prints the leaks (stderr) and returns them as the error, unless set_ignore_rref_leak(true).
+  std::string report_leaks() const override {
+    std::string leaks = leak_report();
+    if (leaks.empty()) return leaks;
+    std::fprintf(stderr, "distrpc: %s: RRef leaks detected during shutdown:\n%s",
+                 self().name.c_str(), leaks.c_str());
+    if (ignore_rref_leak_flag().load()) return {};
+    return leaks;
+  }
+  void on_stop() override { close(); }
+  void add_debug_info(std::map<std::string, std::string>& out) const override {
+    for (auto& [k, v] : debug_info()) out[k] = v;
+  }
 
   // ---- creation ------------------------------------------------------------------------------
 
@@ -1029,7 +1068,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
     }
   }
 
-  detail::RRefHost& host_;
+  AgentServices& host_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<RRefId, CellPtr> owners_;
@@ -1060,5 +1099,23 @@ detail::RRefImpl::~RRefImpl() {
   if (is_owner) return;
   if (auto c = ctx.lock()) c->release_user(*this);
 }
+
+// The RRef layer plugs into every agent (agent/extension.hpp).
+inline const bool rref_layer_registered = register_agent_extension(
+    RRefContext::kExtensionId,
+    [](AgentServices& host) -> std::shared_ptr<AgentExtension> {
+      return std::make_shared<RRefContext>(host);
+    });
+
+namespace detail {
+// The RRef bookkeeping of `agent` (an RpcAgent; a template so this layer needs only its
+// declaration).
+template <class Agent>
+std::shared_ptr<RRefContext> rref_context_of(const Agent& agent) {
+  auto ctx = agent.template extension<RRefContext>();
+  if (!ctx) throw RpcError("the RRef layer is not plugged into the agent of " + agent.self().str());
+  return ctx;
+}
+}  // namespace detail
 
 }  // namespace distrpc
