@@ -446,6 +446,31 @@ void destroyed_peer_scenario() {
   CHECK(Clock::now() - t1 < 500ms);
 }
 
+// add_peer() after a loss starts a fresh incarnation (transport/detail/peer_liveness.hpp): the
+// peer, restarted at a new address, is reached afresh both ways, and whatever the old pair still
+// reports (a late hang-up) does not mark the new registration lost.
+template <class P>
+void registered_again_scenario() {
+  NodeOf<P> a(0);
+  auto b = std::make_unique<NodeOf<P>>(1);
+  introduce(a, 0, *b, 1);
+  check_still_works(a, *b, 1);
+  b.reset();
+  REQUIRE(a.inbox.wait_lost(1, 2s));
+  auto b2 = std::make_unique<NodeOf<P>>(1);  // worker 1 again, restarted
+  introduce(a, 0, *b2, 1);
+  for (std::uint64_t id = 2; id < 5; ++id) check_still_works(a, *b2, id);
+  std::this_thread::sleep_for(200ms);
+  CHECK(a.inbox.lost_count() == 1);
+  CHECK(b2->inbox.lost_count() == 0);
+  // And the new incarnation is lost in its turn, reported once more.
+  b2.reset();
+  REQUIRE(a.inbox.wait_lost(2, 2s));
+  CHECK(a.inbox.lost[1].first == 1);
+  std::this_thread::sleep_for(200ms);
+  CHECK(a.inbox.lost_count() == 2);
+}
+
 // The rank body for "a SIGKILLed peer": rank 1 kills itself once messages flow both ways.
 template <class P>
 void sigkilled_target(const distrpc::testing::RankContext& ctx) {
@@ -667,6 +692,8 @@ DISTRPC_CONFORMANCE("an unknown peer, a wrong token and another identity are ref
                     refused_identities_scenario)
 DISTRPC_CONFORMANCE("a destroyed peer context is reported lost within 2 s, once",
                     destroyed_peer_scenario)
+DISTRPC_CONFORMANCE("a peer lost and registered again is reached afresh, and lost once more",
+                    registered_again_scenario)
 DISTRPC_CONFORMANCE_TARGET("Tcp", Tcp, "a SIGKILLed peer process is reported lost within 2 s",
                            sigkilled_target)
 DISTRPC_CONFORMANCE_TARGET("Shm", Shm, "a SIGKILLed peer process is reported lost within 2 s",
