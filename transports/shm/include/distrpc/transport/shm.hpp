@@ -1573,8 +1573,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
             seg_storage.narrow(0, static_cast<std::int64_t>(place), static_cast<std::int64_t>(n)));
       }
     } catch (const std::bad_alloc&) {
-      throw wire::ProtocolError("cannot allocate " + std::to_string(c.body_total) +
-                                " bytes for a " + wire::to_string(h.type) + " record");
+      // DistNetworkError, as tcp raises it, not ProtocolError: the record was within our limits,
+      // so the peer broke nothing (ProtocolError means it did, wire/errors.hpp); this process ran
+      // out of memory and the connection is dropped all the same.
+      throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
+                             wire::to_string(h.type) + " record");
     }
     if (c.segment != 0 && (c.flags & kRecordOneShot)) c.segments.erase(c.segment);
     c.body_received = 0;

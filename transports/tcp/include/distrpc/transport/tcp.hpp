@@ -1134,6 +1134,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     try {
       c.msg = wire::allocate_message(h);
     } catch (const std::bad_alloc&) {
+      // DistNetworkError, not ProtocolError (shm raises the same): the frame was within our
+      // limits, so the peer broke nothing; this process ran out of memory.
       throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
                              wire::to_string(h.type) + " frame");
     }
