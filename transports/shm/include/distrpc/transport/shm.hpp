@@ -86,6 +86,49 @@ struct Shm {
 };
 
 namespace shm_detail {
+class Impl;  // the implementation, below
+}  // namespace shm_detail
+
+// Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
+// (Declared first, as the policy's interface; the implementation follows in shm_detail, and the
+// member functions, which only forward to it, at the end of this file.)
+class Shm::Context {
+ public:
+  // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
+  // DistNetworkError when shared memory or the socket is unusable.
+  Context(const TransportOptions& options, TransportCallbacks callbacks);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // The abstract socket's name ("distrpc-shm-<pid>-<random>"), to publish for peers.
+  std::string address() const;
+
+  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
+  // state, so the next send connects afresh.
+  void add_peer(int id, const std::string& name, const std::string& address);
+
+  // Writes `message` into the ring to worker `peer` from the calling thread (large buffers into a
+  // shared segment), connecting first if needed. Thread-safe; in order per peer. Throws
+  // wire::EncodeError (over the limits, nothing written) or DistNetworkError.
+  void send(int peer, wire::Message&& message);
+
+  // Idempotent: closes every connection, joins the threads; no callback runs after it returns
+  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
+  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
+  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
+  std::size_t shutdown(std::chrono::steady_clock::time_point deadline);
+  void shutdown();
+
+  // Reads on the calling thread while no other thread does, until done() or `until`
+  // (transport.hpp).
+  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
+
+ private:
+  std::shared_ptr<shm_detail::Impl> impl_;
+};
+
+namespace shm_detail {
 
 // Data bytes of each connection's ring. Small messages need little; larger ones stream through.
 inline constexpr std::uint64_t kDefaultRingCapacity = std::uint64_t{2} << 20;
@@ -1711,51 +1754,34 @@ class Impl : public std::enable_shared_from_this<Impl> {
 
 }  // namespace shm_detail
 
-// Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
-class Shm::Context {
- public:
-  // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
-  // DistNetworkError when shared memory or the socket is unusable.
-  Context(const TransportOptions& options, TransportCallbacks callbacks)
-      : impl_(std::make_shared<shm_detail::Impl>(options, std::move(callbacks))) {
-    impl_->start();
-  }
-  ~Context() { shutdown(); }
-  Context(const Context&) = delete;
-  Context& operator=(const Context&) = delete;
+// ---- Shm::Context: forwards to the implementation ---------------------------------------------
 
-  // The abstract socket's name ("distrpc-shm-<pid>-<random>"), to publish for peers.
-  std::string address() const { return impl_->address(); }
-
-  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
-  // state, so the next send connects afresh.
-  void add_peer(int id, const std::string& name, const std::string& address) {
-    impl_->add_peer(id, name, address);
-  }
-
-  // Writes `message` into the ring to worker `peer` from the calling thread (large buffers into a
-  // shared segment), connecting first if needed. Thread-safe; in order per peer. Throws
-  // wire::EncodeError (over the limits, nothing written) or DistNetworkError.
-  void send(int peer, wire::Message&& message) { impl_->send(peer, message); }
-
-  // Idempotent: closes every connection, joins the threads; no callback runs after it returns
-  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
-  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
-  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
-  std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
-    return impl_->shutdown(deadline);
-  }
-  void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
-
-  // Reads on the calling thread while no other thread does, until done() or `until`
-  // (transport.hpp).
-  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    impl_->drive(done, until);
-  }
-
- private:
-  std::shared_ptr<shm_detail::Impl> impl_;
-};
+inline Shm::Context::Context(const TransportOptions& options, TransportCallbacks callbacks)
+    : impl_(std::make_shared<shm_detail::Impl>(options, std::move(callbacks))) {
+  impl_->start();
+}
+inline Shm::Context::~Context() {
+  shutdown();
+}
+inline std::string Shm::Context::address() const {
+  return impl_->address();
+}
+inline void Shm::Context::add_peer(int id, const std::string& name, const std::string& address) {
+  impl_->add_peer(id, name, address);
+}
+inline void Shm::Context::send(int peer, wire::Message&& message) {
+  impl_->send(peer, message);
+}
+inline std::size_t Shm::Context::shutdown(std::chrono::steady_clock::time_point deadline) {
+  return impl_->shutdown(deadline);
+}
+inline void Shm::Context::shutdown() {
+  shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace);
+}
+inline void Shm::Context::drive(const std::function<bool()>& done,
+                                std::chrono::steady_clock::time_point until) {
+  impl_->drive(done, until);
+}
 
 static_assert(check_transport<Shm>());
 
