@@ -57,6 +57,9 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
+#include "distrpc/transport/detail/dial.hpp"
+#include "distrpc/transport/detail/identity.hpp"
+#include "distrpc/transport/detail/peer_liveness.hpp"
 #include "distrpc/transport/shm/ring.hpp"
 #include "distrpc/transport/shm/segment.hpp"
 #include "distrpc/transport/shm/system.hpp"
@@ -80,6 +83,49 @@ struct Shm {
   // each other's abstract sockets.
   static std::string domain_key() { return shm_detail::host_domain_key(); }
   class Context;
+};
+
+namespace shm_detail {
+class Impl;  // the implementation, below
+}  // namespace shm_detail
+
+// Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
+// (Declared first, as the policy's interface; the implementation follows in shm_detail, and the
+// member functions, which only forward to it, at the end of this file.)
+class Shm::Context {
+ public:
+  // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
+  // DistNetworkError when shared memory or the socket is unusable.
+  Context(const TransportOptions& options, TransportCallbacks callbacks);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // The abstract socket's name ("distrpc-shm-<pid>-<random>"), to publish for peers.
+  std::string address() const;
+
+  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
+  // state, so the next send connects afresh.
+  void add_peer(int id, const std::string& name, const std::string& address);
+
+  // Writes `message` into the ring to worker `peer` from the calling thread (large buffers into a
+  // shared segment), connecting first if needed. Thread-safe; in order per peer. Throws
+  // wire::EncodeError (over the limits, nothing written) or DistNetworkError.
+  void send(int peer, wire::Message&& message);
+
+  // Idempotent: closes every connection, joins the threads; no callback runs after it returns
+  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
+  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
+  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
+  std::size_t shutdown(std::chrono::steady_clock::time_point deadline);
+  void shutdown();
+
+  // Reads on the calling thread while no other thread does, until done() or `until`
+  // (transport.hpp).
+  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
+
+ private:
+  std::shared_ptr<shm_detail::Impl> impl_;
 };
 
 namespace shm_detail {
@@ -285,11 +331,9 @@ struct Peer {
   std::string name;
   std::string address;
   std::shared_ptr<OutConn> out;
-  std::string lost_reason;  // a connection broke: sends fail fast until add_peer()
-  bool lost_reported = false;
-  // Bumped when add_peer() clears a lost state: events of connections from before (a late
-  // hang-up of the old pair) must not mark the fresh registration lost.
-  std::uint64_t generation = 0;
+  // A connection broke: sends fail fast until add_peer(); with the generation guard (a late
+  // hang-up of the old pair must not mark a fresh registration lost).
+  detail::PeerLiveness liveness;
 
   std::string describe_locked() const {
     return "worker " + std::to_string(id) + " ('" + name + "')" +
@@ -352,9 +396,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     p->name = name;
     p->address = address;
     // A fresh registration is a fresh incarnation: it may be connected (and lost) again.
-    if (!p->lost_reason.empty() || p->lost_reported) ++p->generation;
-    p->lost_reason.clear();
-    p->lost_reported = false;
+    p->liveness.renew();
   }
 
   void send(int peer, const wire::Message& m) {
@@ -665,7 +707,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->name.empty()) p->name = c->peer_name;
-      c->generation = p->generation;
+      c->generation = p->liveness.generation();
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -688,7 +730,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->out) {
         if (!p->out->broken.load()) return p->out;
-        if (p->out->generation == p->generation) {
+        if (p->liveness.current(p->out->generation)) {
           const std::string why = p->out->recorded_failure();
           throw DistNetworkError("distrpc shm: cannot send to " + p->describe_locked() +
                                  ": the connection was lost (" +
@@ -696,9 +738,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
         }
         p->out.reset();  // broke before add_peer() registered the peer again: dial afresh
       }
-      if (!p->lost_reason.empty()) {
+      if (p->liveness.lost()) {
         throw DistNetworkError("distrpc shm: cannot send to " + p->describe_locked() +
-                               ": the connection was lost (" + p->lost_reason + ")");
+                               ": the connection was lost (" + p->liveness.lost_reason() + ")");
       }
       if (p->address.empty()) {
         throw DistNetworkError("distrpc shm: cannot send to " + p->describe_locked() +
@@ -742,7 +784,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
     {
       std::lock_guard<std::mutex> lk(p->mu);
-      c->generation = p->generation;
+      c->generation = p->liveness.generation();
       p->out = c;
     }
     signal_eventfd(wake_efd_.get());
@@ -754,39 +796,22 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const auto error = [&](const std::string& what) {
       return DistNetworkError("distrpc shm: cannot connect to " + who + ": " + what);
     };
-    const auto start = Clock::now();
-    const auto deadline = start + options_.connect_timeout;
-    auto backoff = std::chrono::milliseconds(10);
-    std::string last_error;
-    for (;;) {
-      if (stopping_.load()) throw error("the transport is shut down");
-      Fd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-      if (!s) throw error("socket: " + errno_text(errno));
-      sockaddr_un sa;
-      const socklen_t len = abstract_sockaddr(address, sa);
-      if (::connect(s.get(), reinterpret_cast<sockaddr*>(&sa), len) == 0) {
-        return handshake(std::move(s), id, name, address, who, deadline);
-      }
-      // Not listening yet (it is starting up), or its backlog is full: retry until the deadline.
-      const int err = errno;
-      last_error = "connect: " + errno_text(err);
-      const auto now = Clock::now();
-      if (err == ECONNREFUSED && now - start >= options_.refused_retry) {
-        throw error(
-            "connection refused: nothing listens there any more (the worker exited or "
-            "crashed)");
-      }
-      if (now >= deadline) {
-        throw error("no connection within " + std::to_string(options_.connect_timeout.count()) +
-                    " ms (connect_timeout): " + last_error);
-      }
-      const auto until = std::min(now + backoff, deadline);
-      while (Clock::now() < until && !stopping_.load()) {
-        std::this_thread::sleep_for(std::min<Clock::duration>(
-            until - Clock::now(), std::chrono::milliseconds(kPollSliceMs)));
-      }
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
-    }
+    const detail::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
+    sockaddr_un sa;
+    const socklen_t len = abstract_sockaddr(address, sa);
+    // Not listening yet (it is starting up), or its backlog is full: retried until the deadline.
+    Fd s = detail::dial_with_backoff(
+        timing, stopping_,
+        [&](detail::DialFailure& failure) -> std::optional<Fd> {
+          Fd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+          if (!sock) throw error("socket: " + errno_text(errno));
+          if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&sa), len) == 0) return sock;
+          failure.err = errno;
+          failure.text = "connect: " + errno_text(failure.err);
+          return std::nullopt;
+        },
+        error);
+    return handshake(std::move(s), id, name, address, who, timing.deadline());
   }
 
   std::shared_ptr<OutConn> handshake(Fd sock, int id, const std::string& name,
@@ -829,12 +854,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     } catch (const wire::ProtocolError& e) {
       throw error(e.what());
     }
-    if (theirs.worker_id != id) {
-      throw error("reached worker " + std::to_string(theirs.worker_id) + " ('" +
-                  theirs.worker_name + "') instead");
-    }
-    if (!name.empty() && theirs.worker_name != name) {
-      throw error("the peer there is named '" + theirs.worker_name + "'");
+    if (const std::string wrong =
+            detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
+        !wrong.empty()) {
+      throw error(wrong);
     }
     const std::string label = "w" + std::to_string(options_.self_id) + "->w" + std::to_string(id);
     Fd ring_fd = make_memfd("distrpc-shm ring " + label, kRingHeaderBytes + kDefaultRingCapacity);
@@ -1593,8 +1616,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
             seg_storage.narrow(0, static_cast<std::int64_t>(place), static_cast<std::int64_t>(n)));
       }
     } catch (const std::bad_alloc&) {
-      throw wire::ProtocolError("cannot allocate " + std::to_string(c.body_total) +
-                                " bytes for a " + wire::to_string(h.type) + " record");
+      // DistNetworkError, as tcp raises it, not ProtocolError: the record was within our limits,
+      // so the peer broke nothing (ProtocolError means it did, wire/errors.hpp); this process ran
+      // out of memory and the connection is dropped all the same.
+      throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
+                             wire::to_string(h.type) + " record");
     }
     if (c.segment != 0 && (c.flags & kRecordOneShot)) c.segments.erase(c.segment);
     c.body_received = 0;
@@ -1661,10 +1687,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (auto p = find_peer(peer)) {
       std::lock_guard<std::mutex> lk(p->mu);
       if (out && p->out.get() == out) p->out.reset();
-      if (generation != p->generation) return;  // a connection of a registration since replaced
+      // A connection of a registration since replaced is ignored.
+      if (!p->liveness.current(generation)) return;
       // Our connection to it and its connection to us break together: it is reported once.
-      if (p->lost_reason.empty()) p->lost_reason = reason;
-      if (!p->lost_reported) report = p->lost_reported = true;
+      report = p->liveness.mark_lost(reason);
       // A peer that loses either connection loses both: a half-open pair would let requests go
       // out while replies could never come back.
       if (!out && p->out) {
@@ -1728,51 +1754,34 @@ class Impl : public std::enable_shared_from_this<Impl> {
 
 }  // namespace shm_detail
 
-// Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
-class Shm::Context {
- public:
-  // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
-  // DistNetworkError when shared memory or the socket is unusable.
-  Context(const TransportOptions& options, TransportCallbacks callbacks)
-      : impl_(std::make_shared<shm_detail::Impl>(options, std::move(callbacks))) {
-    impl_->start();
-  }
-  ~Context() { shutdown(); }
-  Context(const Context&) = delete;
-  Context& operator=(const Context&) = delete;
+// ---- Shm::Context: forwards to the implementation ---------------------------------------------
 
-  // The abstract socket's name ("distrpc-shm-<pid>-<random>"), to publish for peers.
-  std::string address() const { return impl_->address(); }
-
-  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
-  // state, so the next send connects afresh.
-  void add_peer(int id, const std::string& name, const std::string& address) {
-    impl_->add_peer(id, name, address);
-  }
-
-  // Writes `message` into the ring to worker `peer` from the calling thread (large buffers into a
-  // shared segment), connecting first if needed. Thread-safe; in order per peer. Throws
-  // wire::EncodeError (over the limits, nothing written) or DistNetworkError.
-  void send(int peer, wire::Message&& message) { impl_->send(peer, message); }
-
-  // Idempotent: closes every connection, joins the threads; no callback runs after it returns
-  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
-  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
-  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
-  std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
-    return impl_->shutdown(deadline);
-  }
-  void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
-
-  // Reads on the calling thread while no other thread does, until done() or `until`
-  // (transport.hpp).
-  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    impl_->drive(done, until);
-  }
-
- private:
-  std::shared_ptr<shm_detail::Impl> impl_;
-};
+inline Shm::Context::Context(const TransportOptions& options, TransportCallbacks callbacks)
+    : impl_(std::make_shared<shm_detail::Impl>(options, std::move(callbacks))) {
+  impl_->start();
+}
+inline Shm::Context::~Context() {
+  shutdown();
+}
+inline std::string Shm::Context::address() const {
+  return impl_->address();
+}
+inline void Shm::Context::add_peer(int id, const std::string& name, const std::string& address) {
+  impl_->add_peer(id, name, address);
+}
+inline void Shm::Context::send(int peer, wire::Message&& message) {
+  impl_->send(peer, message);
+}
+inline std::size_t Shm::Context::shutdown(std::chrono::steady_clock::time_point deadline) {
+  return impl_->shutdown(deadline);
+}
+inline void Shm::Context::shutdown() {
+  shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace);
+}
+inline void Shm::Context::drive(const std::function<bool()>& done,
+                                std::chrono::steady_clock::time_point until) {
+  impl_->drive(done, until);
+}
 
 static_assert(check_transport<Shm>());
 

@@ -64,6 +64,11 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
+#include "distrpc/transport/detail/dial.hpp"
+#include "distrpc/transport/detail/errno_text.hpp"
+#include "distrpc/transport/detail/fd.hpp"
+#include "distrpc/transport/detail/identity.hpp"
+#include "distrpc/transport/detail/peer_liveness.hpp"
 #include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -107,9 +112,8 @@ inline constexpr int kPollSliceMs = detail::kPollSliceMs;
 // Keepalive notices a peer whose host vanished (no reset ever comes): about 45 s.
 inline constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 3;
 
-inline std::string errno_text(int err) {
-  return std::system_category().message(err);
-}
+using detail::errno_text;
+using detail::Fd;
 
 // Handshake frames are refused beyond these before anything is allocated: an unauthenticated
 // connection must not make us reserve the limits meant for data.
@@ -254,22 +258,6 @@ inline int read_exact(int fd, char* buf, std::size_t n, Clock::time_point deadli
   return 0;
 }
 
-// Closes an fd on scope exit unless released: the connect path has many ways out.
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
-
 // One established (handshaken) TCP connection, in either direction.
 //
 // Its fd (non-blocking) is written by sending threads (raw sendmsg, under write_mu) and read by
@@ -283,6 +271,7 @@ struct Connection {
   std::uint64_t token = 0;  // its key in the epoll set (never reused; 0 is the wake-up eventfd)
   bool outgoing = false;
   int peer = -1;
+  std::uint64_t generation = 0;  // of the Peer's liveness when it was made or adopted
   std::string peer_name;
   std::string remote;  // "host:port" of the other end, for logs and errors
 
@@ -348,8 +337,9 @@ struct Peer {
   std::string name;
   std::string address;
   std::shared_ptr<Connection> out;
-  std::string lost_reason;  // a handshaken connection broke: sends fail fast until add_peer()
-  bool lost_reported = false;
+  // A handshaken connection broke: sends fail fast until add_peer(); with the generation guard
+  // (a late hang-up of the old pair must not mark a fresh registration lost).
+  detail::PeerLiveness liveness;
 
   std::string describe_locked() const {
     return "worker " + std::to_string(id) + " ('" + name + "')" +
@@ -430,9 +420,15 @@ class Impl : public std::enable_shared_from_this<Impl> {
     std::lock_guard<std::mutex> lk(p->mu);
     p->name = name;
     p->address = address;
-    // A fresh registration is a fresh incarnation: it may be connected (and lost) again.
-    p->lost_reason.clear();
-    p->lost_reported = false;
+    // A fresh registration is a fresh incarnation: it may be connected (and lost) again. The
+    // connection opened to the lost one is not used for it (as a lost peer loses both of its
+    // connections): shut down, its end is ignored (an older generation), and the next send dials.
+    if (p->liveness.renew() && p->out) {
+      const auto old = std::move(p->out);
+      old->record_failure("worker " + std::to_string(id) +
+                          " was registered again after it was lost");
+      old->shutdown_fd();
+    }
   }
 
   void send(int peer, wire::Message&& m) {
@@ -709,6 +705,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->name.empty()) p->name = c->peer_name;
+      c->generation = p->liveness.generation();
     }
     start_reading(c);
   }
@@ -726,9 +723,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::lock_guard<std::mutex> lk(p->mu);
       // Checked before `out`: the loss is reported once, when the first of the peer's two
       // connections breaks, so a message sent on the other one before it notices would hang.
-      if (!p->lost_reason.empty()) {
+      if (p->liveness.lost()) {
         throw DistNetworkError("distrpc tcp: cannot send to " + p->describe_locked() +
-                               ": the connection was lost (" + p->lost_reason + ")");
+                               ": the connection was lost (" + p->liveness.lost_reason() + ")");
       }
       if (p->out) return p->out;
       if (p->address.empty()) {
@@ -763,6 +760,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     p->last_failure.clear();
     {
       std::lock_guard<std::mutex> lk(p->mu);
+      c->generation = p->liveness.generation();
       p->out = c;
     }
     start_reading(c);
@@ -775,33 +773,17 @@ class Impl : public std::enable_shared_from_this<Impl> {
       return DistNetworkError("distrpc tcp: cannot connect to " + who + ": " + what);
     };
     const HostPort hp = split_host_port(address);
-    const auto start = Clock::now();
-    const auto deadline = start + options_.connect_timeout;
-    auto backoff = std::chrono::milliseconds(10);
-    std::string last_error;
-    for (;;) {
-      if (stopping_.load()) throw error("the transport is shut down");
-      int err = 0;
-      const int fd = try_connect(hp, deadline, last_error, err);
-      if (fd >= 0) return handshake(FdGuard(fd), id, name, address, who, deadline);
-      const auto now = Clock::now();
-      if (err == ECONNREFUSED && now - start >= options_.refused_retry) {
-        throw error(
-            "connection refused: nothing listens there any more (the worker exited or "
-            "crashed)");
-      }
-      if (now >= deadline) {
-        throw error("no connection within " + std::to_string(options_.connect_timeout.count()) +
-                    " ms (connect_timeout): " + last_error);
-      }
-      // The peer may not listen yet (it is starting up): retry, backing off, until the deadline.
-      const auto until = std::min(now + backoff, deadline);
-      while (Clock::now() < until && !stopping_.load()) {
-        std::this_thread::sleep_for(std::min<Clock::duration>(
-            until - Clock::now(), std::chrono::milliseconds(kPollSliceMs)));
-      }
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
-    }
+    const detail::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
+    // The peer may not listen yet (it is starting up): retried, backing off, until the deadline.
+    Fd fd = detail::dial_with_backoff(
+        timing, stopping_,
+        [&](detail::DialFailure& failure) -> std::optional<Fd> {
+          const int raw = try_connect(hp, timing.deadline(), failure.text, failure.err);
+          if (raw >= 0) return Fd(raw);
+          return std::nullopt;
+        },
+        error);
+    return handshake(std::move(fd), id, name, address, who, timing.deadline());
   }
 
   // One non-blocking connect per resolved address; -1 with `error` (and `err`, the last errno)
@@ -818,7 +800,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
     std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
     for (const addrinfo* ai = found; ai; ai = ai->ai_next) {
-      FdGuard fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      Fd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
       if (fd.get() < 0) {
         err = errno;
         error = "socket: " + errno_text(err);
@@ -844,7 +826,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return -1;
   }
 
-  std::shared_ptr<Connection> handshake(FdGuard fd, int id, const std::string& name,
+  std::shared_ptr<Connection> handshake(Fd fd, int id, const std::string& name,
                                         const std::string& address, const std::string& who,
                                         Clock::time_point deadline) {
     const auto error = [&](const std::string& what) {
@@ -889,12 +871,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     } catch (const wire::ProtocolError& e) {
       throw error(e.what());
     }
-    if (theirs.worker_id != id) {
-      throw error("reached worker " + std::to_string(theirs.worker_id) + " ('" +
-                  theirs.worker_name + "') instead");
-    }
-    if (!name.empty() && theirs.worker_name != name) {
-      throw error("the peer there is named '" + theirs.worker_name + "'");
+    if (const std::string wrong =
+            detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
+        !wrong.empty()) {
+      throw error(wrong);
     }
     auto c = std::make_shared<Connection>();
     c->fd = fd.release();
@@ -1154,6 +1134,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     try {
       c.msg = wire::allocate_message(h);
     } catch (const std::bad_alloc&) {
+      // DistNetworkError, not ProtocolError (shm raises the same): the frame was within our
+      // limits, so the peer broke nothing; this process ran out of memory.
       throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
                              wire::to_string(h.type) + " frame");
     }
@@ -1245,9 +1227,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (auto p = find_peer(c->peer)) {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->out == c) p->out.reset();
-      if (p->lost_reason.empty()) p->lost_reason = reason;
-      // Both connections with a dead peer break together: the owner hears about the peer once.
-      if (!p->lost_reported) report = p->lost_reported = true;
+      // Both connections with a dead peer break together: the owner hears about the peer once;
+      // a connection of a registration since replaced is ignored.
+      if (p->liveness.current(c->generation)) report = p->liveness.mark_lost(reason);
     }
     if (!report || stopping_.load() || !callbacks_.on_peer_lost) return;
     try {

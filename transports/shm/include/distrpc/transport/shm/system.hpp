@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "distrpc/error.hpp"
+#include "distrpc/transport/detail/errno_text.hpp"
+#include "distrpc/transport/detail/fd.hpp"
 #include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/wire/errors.hpp"
 
@@ -46,37 +48,8 @@ inline constexpr int kMadvPopulateWrite = 23;
 // our mapping (which would turn our next access into SIGBUS).
 inline constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
-inline std::string errno_text(int err) {
-  return std::system_category().message(err);
-}
-
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.release();
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
+using detail::errno_text;
+using detail::Fd;
 
 // A shared mapping, unmapped when the last owner lets go (received tensors are owners too, so a
 // region outlives the connection it came from as long as a tensor uses it).

@@ -1,0 +1,56 @@
+// The lost state of one peer in a transport's peer table, with its generation guard.
+//
+// A peer's connections break together when it dies: the owner hears of it once (on_peer_lost),
+// and sends fail fast until add_peer() registers the peer again. That registration is a fresh
+// incarnation: events of connections made before it (a late hang-up of the old pair) must not
+// mark the new one lost. Every connection records the generation it was made (or adopted) in, and
+// its loss counts only while that generation is current.
+//
+// Not synchronised: it lives under the peer entry's mutex.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace distrpc::transport::detail {
+
+class PeerLiveness {
+ public:
+  // The generation a connection made now belongs to.
+  std::uint64_t generation() const { return generation_; }
+  // False for a connection of a registration since replaced: its events are ignored.
+  bool current(std::uint64_t connection_generation) const {
+    return connection_generation == generation_;
+  }
+  // The first reason a connection of this incarnation broke; empty while none did.
+  const std::string& lost_reason() const { return lost_reason_; }
+  bool lost() const { return !lost_reason_.empty(); }
+
+  // add_peer(): a fresh registration may be connected (and lost) again. A new generation starts
+  // only when the old one was lost, so connections made before an add_peer() that merely repeats
+  // the address stay current. True when a new generation started: the caller lets go of the
+  // connections of the old one (they belong to a lost incarnation).
+  bool renew() {
+    const bool fresh = !lost_reason_.empty() || lost_reported_;
+    if (fresh) ++generation_;
+    lost_reason_.clear();
+    lost_reported_ = false;
+    return fresh;
+  }
+
+  // A connection of the current generation broke (the caller checked current()): records the
+  // first reason; true when the owner must be told now (the first loss of this incarnation).
+  bool mark_lost(const std::string& reason) {
+    if (lost_reason_.empty()) lost_reason_ = reason;
+    if (lost_reported_) return false;
+    lost_reported_ = true;
+    return true;
+  }
+
+ private:
+  std::string lost_reason_;
+  bool lost_reported_ = false;
+  std::uint64_t generation_ = 0;
+};
+
+}  // namespace distrpc::transport::detail

@@ -1,0 +1,193 @@
+// The transports' shared connection layer (include/distrpc/transport/detail/), without processes
+// and without libtorch: the owned descriptor, the dial loop's timing and refusal rule, the
+// generation guard of a peer's lost state, and the handshake's identity check.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include <doctest/doctest.h>
+
+#include "distrpc/transport/detail/dial.hpp"
+#include "distrpc/transport/detail/errno_text.hpp"
+#include "distrpc/transport/detail/fd.hpp"
+#include "distrpc/transport/detail/identity.hpp"
+#include "distrpc/transport/detail/peer_liveness.hpp"
+#include "multiprocess.hpp"
+
+namespace {
+
+using distrpc::transport::detail::DialFailure;
+using distrpc::transport::detail::DialTiming;
+using distrpc::transport::detail::Fd;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+bool is_open(int fd) {
+  return ::fcntl(fd, F_GETFD) != -1;
+}
+
+// One plain blocking connect to 127.0.0.1:port, as an attempt of the dial loop.
+std::optional<Fd> connect_once(int port, DialFailure& failure) {
+  Fd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  REQUIRE(s);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return s;
+  failure.err = errno;
+  failure.text = "connect: " + distrpc::transport::detail::errno_text(failure.err);
+  return std::nullopt;
+}
+
+struct Refused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+Refused make_error(const std::string& what) {
+  return Refused("distrpc test: " + what);
+}
+
+}  // namespace
+
+TEST_CASE("transport detail: Fd owns, moves and releases a descriptor") {
+  int raw = -1;
+  {
+    Fd a(::socket(AF_INET, SOCK_STREAM, 0));
+    REQUIRE(a);
+    raw = a.get();
+    Fd b(std::move(a));
+    CHECK_FALSE(a);
+    CHECK(b.get() == raw);
+    CHECK(is_open(raw));
+  }
+  CHECK_FALSE(is_open(raw));  // closed with its owner
+  Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+  raw = c.release();
+  CHECK_FALSE(c);
+  CHECK(is_open(raw));  // released: the caller's now
+  ::close(raw);
+}
+
+TEST_CASE("transport detail: dialling where nothing listens fails within connect_timeout") {
+  const int port = distrpc::testing::free_loopback_port();
+  std::atomic<bool> stopping{false};
+  int attempts = 0;
+  const DialTiming timing{Clock::now(), 600ms, std::chrono::hours(24)};
+  std::string text;
+  try {
+    (void)distrpc::transport::detail::dial_with_backoff(
+        timing, stopping,
+        [&](DialFailure& f) {
+          ++attempts;
+          return connect_once(port, f);
+        },
+        make_error);
+  } catch (const Refused& e) {
+    text = e.what();
+  }
+  const auto took = Clock::now() - timing.start;
+  CHECK(text.find("distrpc test: no connection within 600 ms (connect_timeout): connect: ") == 0);
+  CHECK(took >= 600ms);   // it retried until the deadline...
+  CHECK(took < 1200ms);   // ...and not much longer
+  CHECK(attempts >= 4);   // 10, 20, 40, 80, ... ms apart
+  CHECK(attempts <= 12);  // backing off, not spinning
+}
+
+TEST_CASE("transport detail: with a short refused_retry a refused dial fails fast") {
+  const int port = distrpc::testing::free_loopback_port();
+  std::atomic<bool> stopping{false};
+  const DialTiming timing{Clock::now(), 10s, 50ms};
+  std::string text;
+  try {
+    (void)distrpc::transport::detail::dial_with_backoff(
+        timing, stopping, [&](DialFailure& f) { return connect_once(port, f); }, make_error);
+  } catch (const Refused& e) {
+    text = e.what();
+  }
+  CHECK(text ==
+        "distrpc test: connection refused: nothing listens there any more (the worker "
+        "exited or crashed)");
+  CHECK(Clock::now() - timing.start < 1s);
+}
+
+TEST_CASE("transport detail: the dial loop returns what an attempt made, and stops on shutdown") {
+  std::atomic<bool> stopping{false};
+  int calls = 0;
+  const int got = distrpc::transport::detail::dial_with_backoff(
+      DialTiming{Clock::now(), 5s, std::chrono::hours(24)}, stopping,
+      [&](DialFailure& f) -> std::optional<int> {
+        if (++calls < 3) {
+          f.err = ECONNREFUSED;
+          f.text = "not yet";
+          return std::nullopt;
+        }
+        return 42;
+      },
+      make_error);
+  CHECK(got == 42);
+  CHECK(calls == 3);
+
+  // A stopping flag set while it backs off ends the loop at once with the shutdown text.
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(100ms);
+    stopping = true;
+  });
+  const auto t0 = Clock::now();
+  std::string text;
+  try {
+    (void)distrpc::transport::detail::dial_with_backoff(
+        DialTiming{Clock::now(), 30s, std::chrono::hours(24)}, stopping,
+        [&](DialFailure& f) -> std::optional<int> {
+          f.text = "not yet";
+          return std::nullopt;
+        },
+        make_error);
+  } catch (const Refused& e) {
+    text = e.what();
+  }
+  stopper.join();
+  CHECK(text == "distrpc test: the transport is shut down");
+  CHECK(Clock::now() - t0 < 2s);
+}
+
+TEST_CASE("transport detail: a late hang-up of an old connection does not mark the new one lost") {
+  distrpc::transport::detail::PeerLiveness p;
+  const auto first = p.generation();
+  CHECK_FALSE(p.lost());
+  // Both connections of the first registration break: reported once, with the first reason.
+  REQUIRE(p.current(first));
+  CHECK(p.mark_lost("connection closed by peer"));
+  CHECK_FALSE(p.mark_lost("the other one broke too"));
+  CHECK(p.lost_reason() == "connection closed by peer");
+  // add_peer() again: a fresh incarnation, and the old pair's events are stale.
+  CHECK(p.renew());
+  CHECK_FALSE(p.lost());
+  const auto second = p.generation();
+  CHECK(second != first);
+  CHECK_FALSE(p.current(first));
+  CHECK(p.current(second));
+  // Repeating add_peer() while nothing was lost keeps the connections made meanwhile current.
+  CHECK_FALSE(p.renew());
+  CHECK(p.current(second));
+  // The new incarnation can be lost (and reported) again.
+  CHECK(p.mark_lost("reset"));
+  CHECK(p.lost_reason() == "reset");
+}
+
+TEST_CASE("transport detail: the handshake's identity check names who answered") {
+  using distrpc::transport::detail::identity_mismatch;
+  CHECK(identity_mismatch(2, "w2", 2, "w2").empty());
+  CHECK(identity_mismatch(2, "", 2, "anything").empty());  // no name given: any name
+  CHECK(identity_mismatch(2, "w2", 1, "w1") == "reached worker 1 ('w1') instead");
+  CHECK(identity_mismatch(2, "w2", 2, "impostor") == "the peer there is named 'impostor'");
+}
