@@ -36,26 +36,10 @@
 
 namespace {
 
-using distrpc::DistNetworkError;
+using namespace distrpc::testing::transport_names;
 using distrpc::transport::Shm;
 using distrpc::transport::Tcp;
-using distrpc::transport::TransportCallbacks;
-using distrpc::transport::TransportOptions;
-using distrpc::wire::Message;
-using distrpc::wire::MessageType;
 using AutoShmTcp = distrpc::transport::Auto<Shm, Tcp>;
-using Clock = std::chrono::steady_clock;
-using namespace std::chrono_literals;
-
-using distrpc::testing::bytes_of;
-using distrpc::testing::contains;
-using distrpc::testing::Inbox;
-using distrpc::testing::introduce;
-using distrpc::testing::make_message;
-using distrpc::testing::NodeOf;
-using distrpc::testing::options_for;
-using distrpc::testing::pattern_bytes;
-using distrpc::testing::same_bytes;
 
 // What differs between the policies where the contract leaves a choice.
 template <class P>

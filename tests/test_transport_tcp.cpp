@@ -34,23 +34,9 @@
 
 namespace {
 
-using distrpc::DistNetworkError;
+using namespace distrpc::testing::transport_names;
 using distrpc::transport::Tcp;
-using distrpc::transport::TransportCallbacks;
-using distrpc::transport::TransportOptions;
-using distrpc::wire::Message;
-using distrpc::wire::MessageType;
-using Clock = std::chrono::steady_clock;
-using namespace std::chrono_literals;
 
-using distrpc::testing::bytes_of;
-using distrpc::testing::contains;
-using distrpc::testing::Inbox;
-using distrpc::testing::introduce;
-using distrpc::testing::make_message;
-using distrpc::testing::options_for;
-using distrpc::testing::pattern_bytes;
-using distrpc::testing::same_bytes;
 using Node = distrpc::testing::NodeOf<Tcp>;
 
 // ---- raw sockets, to play a broken or hostile peer ----------------------------------------------

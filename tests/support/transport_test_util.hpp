@@ -490,3 +490,24 @@ void answer_needs_add_peer_scenario() {
 }
 
 }  // namespace distrpc::testing
+
+// The names every transport suite uses unqualified: one `using namespace
+// distrpc::testing::transport_names;` per file instead of the same list in each.
+namespace distrpc::testing::transport_names {
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using distrpc::DistNetworkError;
+using distrpc::testing::bytes_of;
+using distrpc::testing::contains;
+using distrpc::testing::Inbox;
+using distrpc::testing::introduce;
+using distrpc::testing::make_message;
+using distrpc::testing::NodeOf;
+using distrpc::testing::options_for;
+using distrpc::testing::pattern_bytes;
+using distrpc::testing::same_bytes;
+using distrpc::transport::TransportCallbacks;
+using distrpc::transport::TransportOptions;
+using distrpc::wire::Message;
+using distrpc::wire::MessageType;
+}  // namespace distrpc::testing::transport_names
