@@ -29,6 +29,7 @@
 
 #include <distrpc/nn/remote_module.hpp>
 #include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
 
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"

@@ -34,6 +34,7 @@
 #include <doctest/doctest.h>
 
 #include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
 #include <distrpc/transport/tcp.hpp>
 
 #include "multiprocess.hpp"

@@ -184,12 +184,12 @@ TEST_CASE("rpc: shutdown(false) returns within its bound while handlers never re
   const std::string where =
       " (2 request handler(s) on the request pool, 1 on transport reading threads, 0 callback(s))";
   CHECK_MESSAGE(contains(w1,
-                         "distrpc: worker1: shutdown abandoned 3 thread(s) still running user "
+                         "[distrpc] worker1: shutdown abandoned 3 thread(s) still running user "
                          "code after 2000 ms" +
                              where),
                 r.report());
   CHECK_MESSAGE(contains(w1,
-                         "distrpc: worker1: shutdown abandoned 3 thread(s) still running user "
+                         "[distrpc] worker1: shutdown abandoned 3 thread(s) still running user "
                          "code after 200 ms" +
                              where),
                 r.report());

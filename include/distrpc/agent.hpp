@@ -1,10 +1,13 @@
 // RpcAgent: the transport-agnostic heart of RPC, and Agent<Transport>, which binds it to a policy.
 //
-// The agent owns the worker table, request ids, pending calls and their timeouts, the two
-// executors (a fixed request pool and an elastic callback pool), the dispatch of incoming
-// requests through the Registry, the all-gather state used by barriers and graceful shutdown,
-// and the counters of the group-wide join. It moves only wire::Message values; the typed API
-// (rpc.hpp) encodes and decodes them. See docs/threading.md for which thread runs what.
+// The agent moves messages, runs requests and tracks calls and the group. Its parts are classes
+// of their own: the pending calls, their deadlines and the join's counters (agent/call_table.hpp),
+// the worker table and the lost members (agent/membership.hpp), the all-gathers' decisions
+// (agent/gather_table.hpp) and messages (agent/group_protocol.hpp). What it does itself: dispatch
+// requests through its Registry onto its two executors (a fixed request pool and an elastic
+// callback pool), and hand the layers plugged into it (agent/extension.hpp) their messages and
+// hooks. It moves only wire::Message values; the typed API (rpc.hpp, agent/calls.hpp) encodes and
+// decodes them. See docs/threading.md for which thread runs what.
 #pragma once
 
 #include <algorithm>
@@ -27,8 +30,10 @@
 #include "distrpc/agent/call_table.hpp"
 #include "distrpc/agent/extension.hpp"
 #include "distrpc/agent/gather_table.hpp"
+#include "distrpc/agent/membership.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
+#include "distrpc/log_c10.hpp"
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
@@ -40,23 +45,54 @@
 
 namespace distrpc {
 
-using std::chrono::milliseconds;
+class RpcAgent;
+
+namespace detail {
+class GroupProtocol;
+// The agent the calling thread works for: set on its pools' threads, while it runs a request or
+// a control message (also on a transport reading thread), and by RpcGroup::use(). The free
+// functions (rpc_sync, remote, RRef(value), ...) use it before the process's current agent, so a
+// handler calls back through the agent that runs it, and one process can hold two agents.
+inline thread_local RpcAgent* tls_current_agent = nullptr;
+
+// Makes `agent` the calling thread's current agent while alive.
+class CurrentAgentScope {
+ public:
+  explicit CurrentAgentScope(RpcAgent* agent) : saved_(tls_current_agent) {
+    tls_current_agent = agent;
+  }
+  ~CurrentAgentScope() { tls_current_agent = saved_; }
+  CurrentAgentScope(const CurrentAgentScope&) = delete;
+  CurrentAgentScope& operator=(const CurrentAgentScope&) = delete;
+
+ private:
+  RpcAgent* const saved_;
+};
+}  // namespace detail
 
 // Shared-owned (init_rpc makes it with make_shared): a stop that abandons threads still running
 // user code keeps the agent alive through its own shared_ptr (stop(), keep_alive_forever()).
+// `registry`: what this agent runs for its peers (null: the process's Registry::instance()). An
+// agent with its own registry still serves the library's own functions (its group protocol,
+// builtin operators, RRefs' and modules' helpers) from the process's.
 class RpcAgent : public AgentServices,
                  public detail::WaitDriver,
                  public std::enable_shared_from_this<RpcAgent> {
  public:
-  RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
-      : self_(std::move(self)),
-        world_size_(world_size),
+  using milliseconds = std::chrono::milliseconds;
+
+  RpcAgent(WorkerInfo self, int world_size, const RpcBackendOptions& opts,
+           std::shared_ptr<const Registry> registry = nullptr)
+      : members_(std::move(self), world_size),
         options_(opts),
         default_timeout_(opts.rpc_timeout),
+        registry_(registry ? std::move(registry) : global_registry()),
         request_pool_("rpc-request", static_cast<std::size_t>(std::max(1, opts.num_worker_threads)),
-                      static_cast<std::size_t>(std::max(1, opts.num_worker_threads))),
+                      static_cast<std::size_t>(std::max(1, opts.num_worker_threads)),
+                      std::chrono::seconds(10), [this] { detail::tls_current_agent = this; }),
         // Callbacks may block on nested calls: this pool grows instead of starving them.
-        callback_pool_("rpc-callback", 2, 1024),
+        callback_pool_("rpc-callback", 2, 1024, std::chrono::seconds(10),
+                       [this] { detail::tls_current_agent = this; }),
         extensions_(make_agent_extensions(*this)),
         calls_([this](std::function<void()> fn) { return callback_pool_.post(std::move(fn)); }) {}
 
@@ -65,64 +101,16 @@ class RpcAgent : public AgentServices,
   RpcAgent& operator=(const RpcAgent&) = delete;
 
   // ---- identity and group ----------------------------------------------------------------
-  const WorkerInfo& self() const { return self_; }
-  int world_size() const { return world_size_; }
+  const WorkerInfo& self() const { return members_.self(); }
+  int world_size() const { return members_.world_size(); }
+  const Registry& registry() const { return *registry_; }
   const RpcBackendOptions& options() const { return options_; }
   virtual std::string transport_name() const = 0;
 
-  // Before a thread sleeps waiting for `done` (a future this agent handed out, through
-  // detail::set_wait_driver): polls it for up to sync_wait_spin, bounded
-  // by the wait's own deadline, reading the transport itself meanwhile where the policy can
-  // (transport.hpp, drive()), so a small call's reply is picked up by the thread that waits for
-  // it instead of waking two more.
-  void drive_wait(const std::function<bool()>& done,
-                  std::chrono::steady_clock::time_point until) override {
-    const auto budget = options_.sync_wait_spin;
-    if (budget.count() <= 0 || done()) return;
-    // A reading thread (inside a read, or a policy's own thread outside a task) never reads on
-    // a waiter's behalf: it may hold the very lead that reading needs.
-    if (transport::on_transport_thread()) return;
-    transport_drive(done, std::min(until, std::chrono::steady_clock::now() + budget));
-  }
-  // Polls done() until `until`, yielding the CPU each round (a small call's reply arrives within
-  // microseconds, and waking a sleeping thread costs more); a policy with drive() reads the
-  // transport meanwhile.
-  virtual void transport_drive(const std::function<bool()>& done,
-                               std::chrono::steady_clock::time_point until) {
-    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-  }
-
-  WorkerInfo worker(const std::string& name) const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    auto it = by_name_.find(name);
-    if (it == by_name_.end()) {
-      throw RpcError("could not find destination named '" + name + "' among the " +
-                     std::to_string(workers_.size()) + " workers of this group (on " + self_.str() +
-                     ")");
-    }
-    return workers_[static_cast<std::size_t>(it->second)];
-  }
-  WorkerInfo worker(int id) const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    if (id < 0 || id >= static_cast<int>(workers_.size())) {
-      throw RpcError("could not find destination with id " + std::to_string(id) +
-                     ": worker ids are 0.." +
-                     std::to_string(static_cast<int>(workers_.size()) - 1));
-    }
-    return workers_[static_cast<std::size_t>(id)];
-  }
-  WorkerInfo worker(const WorkerInfo& w) const {
-    WorkerInfo known = worker(w.id);
-    if (known.name != w.name) {
-      throw RpcError("could not find destination " + w.str() + ": worker " + std::to_string(w.id) +
-                     " is " + known.str());
-    }
-    return known;
-  }
-  std::vector<WorkerInfo> workers() const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    return workers_;
-  }
+  WorkerInfo worker(const std::string& name) const { return members_.worker(name); }
+  WorkerInfo worker(int id) const { return members_.worker(id); }
+  WorkerInfo worker(const WorkerInfo& w) const { return members_.worker(w); }
+  std::vector<WorkerInfo> workers() const { return members_.workers(); }
 
   // ---- timeouts ----------------------------------------------------------------------------
   milliseconds default_timeout() const { return default_timeout_.load(); }
@@ -166,12 +154,12 @@ class RpcAgent : public AgentServices,
     const std::uint64_t id = calls_.add(to, fut, timeout, internal, what);
     request.type = type;
     request.id = id;
-    if (to.id == self_.id) {
+    if (to.id == self().id) {
       // A call to self skips the transport but keeps value semantics: the callee gets copies.
       detail_clone_buffers(request);
       if (!dispatch_local(std::move(request))) {
         if (on_unsent) on_unsent();
-        fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self_.str() +
+        fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self().str() +
                                                        " is shutting down: cannot run " + what)));
       }
       return fut;
@@ -185,7 +173,154 @@ class RpcAgent : public AgentServices,
     return fut;
   }
 
-  // ---- incoming ----------------------------------------------------------------------------
+  // ---- layers and debug info ---------------------------------------------------------------
+  std::map<std::string, std::string> debug_info() const {
+    std::map<std::string, std::string> out;
+    const std::size_t pending = calls_.size();
+    const WorkCounters c = calls_.counters();
+    out["agent.transport"] = transport_name();
+    out["thread_pool_size"] = std::to_string(request_pool_.base_size());
+    out["num_idle_threads"] = std::to_string(request_pool_.idle());
+    out["num_pending_requests"] = std::to_string(request_pool_.queued());
+    out["num_pending_responses"] = std::to_string(pending);
+    out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
+    out["num_active_server_calls"] = std::to_string(c.server_active);
+    out["callback_pool_size"] = std::to_string(callback_pool_.size());
+    for (const auto& x : extensions_) x->add_debug_info(out);
+    return out;
+  }
+
+  // The layers plugged into this agent (extension.hpp).
+  const std::vector<std::shared_ptr<AgentExtension>>& extensions() const { return extensions_; }
+  // The instance of layer E plugged into this agent (null if E registered no extension).
+  template <class E>
+  std::shared_ptr<E> extension() const {
+    for (const auto& x : extensions_) {
+      if (auto e = std::dynamic_pointer_cast<E>(x)) return e;
+    }
+    return nullptr;
+  }
+
+  // Encodes a call to worker `dst` (encode()) inside every layer's scope (e.g. RRefs among the
+  // arguments are forked to `dst`). Returns what undoes the layers' work if the message is never
+  // sent: empty when there is nothing to undo. If encode() throws, the layers undo their part.
+  std::function<void()> encode_for(int dst, FunctionRef<void()> encode) {
+    std::vector<std::function<void()>> undo;
+    encode_in_layers(0, dst, encode, undo);
+    if (undo.empty()) return {};
+    return [steps = std::move(undo)]() {
+      for (const auto& u : steps) u();
+    };
+  }
+  // Decodes a reply from worker `from` (decode()) inside every layer's scope.
+  void decode_from(int from, FunctionRef<void()> decode) { decode_in_layers(0, from, decode); }
+
+  auto callback_executor() {
+    return [this](std::function<void()> fn) {
+      if (!callback_pool_.post(std::move(fn))) {
+        throw RpcError("RPC agent of " + self().str() + " is shut down: callback dropped");
+      }
+    };
+  }
+
+  // The store the group met through; kept for the exit barrier of a graceful shutdown.
+  void set_store(std::shared_ptr<store::Store> s) { members_.set_store(std::move(s)); }
+
+  // Publishes this worker in the store, reads everyone else's entry, validates the group and
+  // connects the transport to every peer; then runs the requests that arrived meanwhile.
+  void join_group() {
+    const auto addrs = members_.meet(transport_address(), options_.init_timeout);
+    const auto all = members_.workers();
+    for (const auto& w : all) {
+      if (w.id != self().id) {
+        transport_add_peer(w.id, w.name, addrs[static_cast<std::size_t>(w.id)]);
+      }
+    }
+    std::vector<std::pair<int, wire::Message>> early;
+    {
+      std::lock_guard<std::mutex> lk(early_mu_);
+      group_ready_.store(true, std::memory_order_release);
+      early.swap(early_requests_);
+    }
+    for (auto& [peer, m] : early) dispatch_request(peer, std::move(m));
+  }
+
+  // Local stop: with `sync_exit`, first a store barrier so no worker closes its transport while
+  // another still talks to it, and the rank hosting the store server leaves last. Then the
+  // transport stops, pending calls fail, and the pools drain and join. Never waits forever: the
+  // threads are joined until one deadline, `timeout` from the start of the local part when it is
+  // positive, else options().shutdown_grace; a thread still inside user code then (a handler that
+  // never returns, on a pool or on a transport reading thread) is abandoned, and this agent is
+  // kept alive for good for it (keep_alive_forever()). Without `sync_exit`, requests queued but
+  // not started are dropped: their callers fail through peer loss or their timeout.
+  // `led_last`: this worker led the group's last gather (graceful shutdown); it is the one to
+  // leave last when the store cannot order the exit.
+  void stop(bool sync_exit, milliseconds timeout, bool led_last = false) {
+    if (stopped_.exchange(true)) return;
+    // No layer sends a protocol message from now on (e.g. user RRefs still alive are dead).
+    for (const auto& x : extensions_) x->on_stop();
+    std::exception_ptr barrier_error;
+    if (sync_exit && members_.store()) {
+      try {
+        members_.exit_barrier(timeout);
+        members_.leave_store();
+      } catch (...) {
+        // The store may have gone with a lost member (rank 0 hosts a tcp:// or env:// one): then
+        // there is nobody left to synchronize with through it, and the loss is what shutdown()
+        // reports. The last gather's leader then leaves last, so its answers reach the others
+        // before its connections close (they leave as soon as they have the answer).
+        if (!members_.any_lost()) barrier_error = std::current_exception();
+        if (led_last) members_.wait_others_gone(std::chrono::seconds(5));
+      }
+    }
+    // Only an agent someone owns can outlive this call; one already being destroyed (no owner
+    // left) waits without bound rather than leave threads behind that would use freed memory.
+    auto owned = weak_from_this().lock();
+    const milliseconds grace = timeout.count() > 0 ? timeout : options_.shutdown_grace;
+    const auto deadline = owned ? Clock::now() + grace : Clock::time_point::max();
+    // No request starts from now on (without sync_exit, queued ones are dropped); offers from the
+    // transport meet a refusal and drop theirs too.
+    request_pool_.close(/*drop_queued=*/!sync_exit);
+    // Pending calls fail before the transport stops too: a request running on a reading thread
+    // (leader/follower) may wait on one of them, and the transport joins that thread. And after,
+    // for a call that raced past the `stopped_` check.
+    fail_pending_calls();
+    const std::size_t on_readers = transport_shutdown(deadline);
+    fail_pending_calls();
+    const std::size_t on_requests = request_pool_.shutdown(deadline, /*drop_queued=*/!sync_exit);
+    // Callbacks still queued run (they complete futures users may wait on), within the bound.
+    const std::size_t on_callbacks = callback_pool_.shutdown(deadline);
+    calls_.stop();
+    if (const std::size_t n = on_readers + on_requests + on_callbacks; n > 0) {
+      detail::log_warning(
+          self().name, "shutdown abandoned " + std::to_string(n) +
+                          " thread(s) still running user code after " +
+                          std::to_string(grace.count()) + " ms (" + std::to_string(on_requests) +
+                          " request handler(s) on the request pool, " +
+                          std::to_string(on_readers) + " on transport reading threads, " +
+                          std::to_string(on_callbacks) +
+                          " callback(s)); they are detached and this agent stays in memory");
+      keep_alive_forever(std::move(owned));
+    }
+    members_.drop_store();
+    if (barrier_error) std::rethrow_exception(barrier_error);
+  }
+
+  bool stopped() const { return stopped_.load(); }
+
+ protected:
+  using Clock = std::chrono::steady_clock;
+
+  // Polls done() until `until`, yielding the CPU each round (a small call's reply arrives within
+  // microseconds, and waking a sleeping thread costs more); a policy with drive() reads the
+  // transport meanwhile.
+  virtual void transport_drive(const std::function<bool()>& done,
+                               std::chrono::steady_clock::time_point until) {
+    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  }
+
+
+  // ---- transport callbacks (Agent<T> wires them to its policy) ---------------------------------
   // Transport callback (I/O thread): never runs user code, never blocks on it.
   void on_message(int peer, wire::Message&& m) {
     if (wire::is_control_message_type(m.type)) {
@@ -193,27 +328,108 @@ class RpcAgent : public AgentServices,
       return;
     }
     switch (m.type) {
-      case wire::MessageType::Request: {
-        // A peer that finished init before us may call us while we still read the worker
-        // table: hold its request until we know where to send the reply.
-        if (!group_ready_.load(std::memory_order_acquire)) {
-          std::lock_guard<std::mutex> lk(group_mu_);
-          if (!group_ready_.load(std::memory_order_relaxed)) {
-            early_requests_.emplace_back(peer, std::move(m));
-            break;
-          }
-        }
-        dispatch_request(peer, std::move(m));
+      case wire::MessageType::Request:
+        hold_or_dispatch(peer, std::move(m));
         break;
-      }
       case wire::MessageType::Response:
       case wire::MessageType::Exception:
         complete_call(peer, std::move(m));
         break;
       default:
-        std::fprintf(stderr, "distrpc: %s: ignoring message of unexpected type %d from worker %d\n",
-                     self_.name.c_str(), static_cast<int>(m.type), peer);
+        detail::log_warning(self().name, "ignoring a message of unexpected type " +
+                                            std::to_string(static_cast<int>(m.type)) +
+                                            " from worker " + std::to_string(peer));
     }
+  }
+
+  // Transport callback (I/O thread): every pending call to `peer` fails now, naming it.
+  void on_peer_lost(int peer, const std::string& reason) {
+    const WorkerInfo who = members_.describe(peer);
+    const auto lost = calls_.calls_to(peer);
+    members_.mark_lost(peer, reason);
+    for (auto& [id, what] : lost) {
+      fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
+                                                             " failed: connection lost (" + reason +
+                                                             ")")));
+    }
+    // Forks the lost peer held are released; values may be destroyed, so not on this thread.
+    for (const auto& x : extensions_) {
+      callback_pool_.post([x, peer] { x->on_peer_lost(peer); });
+    }
+  }
+
+
+  virtual void transport_send(int peer, wire::Message&& m) = 0;
+  virtual std::string transport_address() const = 0;
+  virtual void transport_add_peer(int id, const std::string& name, const std::string& address) = 0;
+  // Stops the transport, waiting for a reading thread that runs a handed-back request no later
+  // than `deadline`; returns how many such threads it abandoned (transport::shutdown_until()).
+  virtual std::size_t transport_shutdown(Clock::time_point deadline) = 0;
+
+ private:
+  friend class detail::GroupProtocol;  // the group protocol's state and steps
+
+  // ---- the group protocol's state (agent/group_protocol.hpp) ---------------------------------
+  // The all-gather state of the group protocol (barrier, all_gather, the shutdown join).
+  detail::GatherTable& gathers() { return gathers_; }
+
+  // Worker `id` is gone: its connection broke (on_peer_lost) or it no longer accepts one. The
+  // first reason is kept. Group operations stop waiting for a lost member (group_protocol.hpp).
+  void mark_lost(int id, const std::string& reason) { members_.mark_lost(id, reason); }
+  bool is_lost(int id) const { return members_.is_lost(id); }
+  // The names of the members known lost, sorted.
+  std::vector<std::string> lost_names() const { return members_.lost_names(); }
+
+  // The join's counters of this worker's calls (monotonic).
+  WorkCounters counters() const { return calls_.counters(); }
+  const std::shared_ptr<store::Store>& store() const { return members_.store(); }
+
+  // ---- AgentServices (what the layers plugged in use) ------------------------------------------
+  const WorkerInfo& host_self() const override { return self(); }
+  WorkerInfo host_worker(int id) const override { return worker(id); }
+  milliseconds host_timeout(milliseconds requested) const override {
+    return effective_timeout(requested);
+  }
+  Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
+                                          milliseconds timeout, const std::string& what) override {
+    WorkerInfo dst;
+    try {
+      dst = worker(to);
+    } catch (...) {
+      return make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
+  }
+  bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
+  void host_protocol_begin(std::uint64_t steps) override { calls_.protocol_begin(steps); }
+  void host_protocol_end(std::uint64_t steps) override { calls_.protocol_end(steps); }
+  bool host_after(milliseconds delay, std::function<void()> fn) override {
+    if (stopped_.load()) return false;
+    return calls_.after(delay, std::move(fn));
+  }
+  std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
+  detail::ExecutorFn host_user_executor() override {
+    return [this](std::function<void()> fn) {
+      if (!callback_pool_.post(std::move(fn))) {
+        throw RpcError("RPC agent of " + self().str() + " is shut down: callback dropped");
+      }
+    };
+  }
+
+
+  // Before a thread sleeps waiting for `done` (a future this agent handed out, through
+  // detail::set_wait_driver): polls it for up to sync_wait_spin, bounded
+  // by the wait's own deadline, reading the transport itself meanwhile where the policy can
+  // (transport.hpp, drive()), so a small call's reply is picked up by the thread that waits for
+  // it instead of waking two more.
+  void drive_wait(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
+    const auto budget = options_.sync_wait_spin;
+    if (budget.count() <= 0 || done()) return;
+    // A reading thread (inside a read, or a policy's own thread outside a task) never reads on
+    // a waiter's behalf: it may hold the very lead that reading needs.
+    if (transport::on_transport_thread()) return;
+    transport_drive(done, std::min(until, std::chrono::steady_clock::now() + budget));
   }
 
   // Queues a request on the request pool (a control message on the callback pool). After
@@ -244,197 +460,11 @@ class RpcAgent : public AgentServices,
     request_pool_.post(std::move(task));
   }
 
-  // Transport callback (I/O thread): every pending call to `peer` fails now, naming it.
-  void on_peer_lost(int peer, const std::string& reason) {
-    std::vector<std::pair<std::uint64_t, std::string>> lost;
-    WorkerInfo who;
-    {
-      std::lock_guard<std::mutex> lk(group_mu_);
-      if (peer >= 0 && peer < static_cast<int>(workers_.size())) {
-        who = workers_[static_cast<std::size_t>(peer)];
-      } else {
-        who = WorkerInfo{peer, "worker id " + std::to_string(peer)};
-      }
-    }
-    lost = calls_.calls_to(peer);
-    mark_lost(peer, reason);
-    for (auto& [id, what] : lost) {
-      fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
-                                                             " failed: connection lost (" + reason +
-                                                             ")")));
-    }
-    // Forks the lost peer held are released; values may be destroyed, so not on this thread.
-    for (const auto& x : extensions_) {
-      callback_pool_.post([x, peer] { x->on_peer_lost(peer); });
-    }
-  }
-
-  // ---- membership and the group protocol ------------------------------------------------
-  // The all-gather state of the group protocol (barrier, all_gather, the shutdown join; rpc.hpp
-  // runs the protocol over it).
-  detail::GatherTable& gathers() { return gathers_; }
-
-  // Worker `id` is gone: its connection broke (on_peer_lost) or it no longer accepts one. The
-  // first reason is kept. Group operations stop waiting for a lost member (rpc.hpp).
-  void mark_lost(int id, const std::string& reason) {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    lost_.emplace(id, reason);
-  }
-  bool is_lost(int id) const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    return lost_.count(id) > 0;
-  }
-  // The names of the members known lost, sorted.
-  std::vector<std::string> lost_names() const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    std::vector<std::string> out;
-    for (const auto& [id, why] : lost_) {
-      out.push_back(id < static_cast<int>(workers_.size())
-                        ? workers_[static_cast<std::size_t>(id)].name
-                        : "worker id " + std::to_string(id));
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
-  // ---- bookkeeping -------------------------------------------------------------------------
-  WorkCounters counters() const { return calls_.counters(); }
-
-  std::map<std::string, std::string> debug_info() const {
-    std::map<std::string, std::string> out;
-    const std::size_t pending = calls_.size();
-    const WorkCounters c = calls_.counters();
-    out["agent.transport"] = transport_name();
-    out["thread_pool_size"] = std::to_string(request_pool_.base_size());
-    out["num_idle_threads"] = std::to_string(request_pool_.idle());
-    out["num_pending_requests"] = std::to_string(request_pool_.queued());
-    out["num_pending_responses"] = std::to_string(pending);
-    out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
-    out["num_active_server_calls"] = std::to_string(c.server_active);
-    out["callback_pool_size"] = std::to_string(callback_pool_.size());
-    for (const auto& x : extensions_) x->add_debug_info(out);
-    return out;
-  }
-
-  // The layers plugged into this agent (extension.hpp).
-  const std::vector<std::shared_ptr<AgentExtension>>& extensions() const { return extensions_; }
-  // The instance of layer E plugged into this agent (null if E registered no extension).
-  template <class E>
-  std::shared_ptr<E> extension() const {
-    for (const auto& x : extensions_) {
-      if (auto e = std::dynamic_pointer_cast<E>(x)) return e;
-    }
-    return nullptr;
-  }
-
-  // ---- AgentServices (what the layers plugged in use) ------------------------------------------
-  const WorkerInfo& host_self() const override { return self_; }
-  WorkerInfo host_worker(int id) const override { return worker(id); }
-  milliseconds host_timeout(milliseconds requested) const override {
-    return effective_timeout(requested);
-  }
-  Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
-                                          milliseconds timeout, const std::string& what) override {
-    WorkerInfo dst;
-    try {
-      dst = worker(to);
-    } catch (...) {
-      return make_exceptional_future<wire::Message>(std::current_exception());
-    }
-    return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
-  }
-  bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
-  void host_protocol_begin(std::uint64_t steps) override { calls_.protocol_begin(steps); }
-  void host_protocol_end(std::uint64_t steps) override { calls_.protocol_end(steps); }
-  bool host_after(milliseconds delay, std::function<void()> fn) override {
-    if (stopped_.load()) return false;
-    return calls_.after(delay, std::move(fn));
-  }
-  std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
-  detail::ExecutorFn host_user_executor() override {
-    return [this](std::function<void()> fn) {
-      if (!callback_pool_.post(std::move(fn))) {
-        throw RpcError("RPC agent of " + self_.str() + " is shut down: callback dropped");
-      }
-    };
-  }
-
-  ThreadPool& callback_pool() { return callback_pool_; }
-  auto callback_executor() {
-    return [this](std::function<void()> fn) {
-      if (!callback_pool_.post(std::move(fn))) {
-        throw RpcError("RPC agent of " + self_.str() + " is shut down: callback dropped");
-      }
-    };
-  }
-
-  // The store the group met through; kept for the exit barrier of a graceful shutdown.
-  void set_store(std::shared_ptr<store::Store> s) { store_ = std::move(s); }
-  const std::shared_ptr<store::Store>& store() const { return store_; }
-
-  // Publishes this worker in the store, reads everyone else's entry and validates the group.
-  void join_group() {
-    auto& st = *store_;
-    const std::string addr = transport_address();
-    st.set(key("worker/" + std::to_string(self_.id)), self_.name + "\n" + addr);
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_size_; ++r) keys.push_back(key("worker/" + std::to_string(r)));
-    st.wait(keys, options_.init_timeout);
-    std::vector<WorkerInfo> all;
-    std::vector<std::string> addrs;
-    for (int r = 0; r < world_size_; ++r) {
-      const std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
-      const auto nl = v.find('\n');
-      if (nl == std::string::npos) {
-        throw RpcError("malformed worker entry for rank " + std::to_string(r) + " in the store");
-      }
-      all.push_back(WorkerInfo{r, v.substr(0, nl)});
-      addrs.push_back(v.substr(nl + 1));
-    }
-    // Every rank reads the same table, so every rank reports the same duplicate.
-    std::map<std::string, int> seen;
-    for (const auto& w : all) {
-      auto [it, fresh] = seen.emplace(w.name, w.id);
-      if (!fresh) {
-        // Every rank fails alike; rank 0 hosts the store server, so it waits until everyone has
-        // read the table before it fails (and the server goes away).
-        st.add(key("table_read"), 1);
-        if (self_.id == 0) {
-          const auto deadline = Clock::now() + options_.init_timeout;
-          while (st.add(key("table_read"), 0) < world_size_ && Clock::now() < deadline) {
-            std::this_thread::sleep_for(milliseconds(1));
-          }
-        }
-        throw RpcError("Worker name '" + w.name + "' is not unique: ranks " +
-                       std::to_string(it->second) + " and " + std::to_string(w.id) +
-                       " both use it (seen on rank " + std::to_string(self_.id) + ")");
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lk(group_mu_);
-      workers_ = all;
-      for (const auto& w : all) by_name_[w.name] = w.id;
-    }
-    for (int r = 0; r < world_size_; ++r) {
-      if (r != self_.id) {
-        transport_add_peer(r, all[static_cast<std::size_t>(r)].name,
-                           addrs[static_cast<std::size_t>(r)]);
-      }
-    }
-    std::vector<std::pair<int, wire::Message>> early;
-    {
-      std::lock_guard<std::mutex> lk(group_mu_);
-      group_ready_.store(true, std::memory_order_release);
-      early.swap(early_requests_);
-    }
-    for (auto& [peer, m] : early) dispatch_request(peer, std::move(m));
-  }
-
   // A peer that finished init before us may call us while we still read the worker table: hold
   // its message until we know where to send the reply.
   void hold_or_dispatch(int peer, wire::Message&& m) {
     if (!group_ready_.load(std::memory_order_acquire)) {
-      std::lock_guard<std::mutex> lk(group_mu_);
+      std::lock_guard<std::mutex> lk(early_mu_);
       if (!group_ready_.load(std::memory_order_relaxed)) {
         early_requests_.emplace_back(peer, std::move(m));
         return;
@@ -443,78 +473,6 @@ class RpcAgent : public AgentServices,
     dispatch_request(peer, std::move(m));
   }
 
-  // Local stop: with `sync_exit`, first a store barrier so no worker closes its transport while
-  // another still talks to it, and the rank hosting the store server leaves last. Then the
-  // transport stops, pending calls fail, and the pools drain and join. Never waits forever: the
-  // threads are joined until one deadline, `timeout` from the start of the local part when it is
-  // positive, else options().shutdown_grace; a thread still inside user code then (a handler that
-  // never returns, on a pool or on a transport reading thread) is abandoned, and this agent is
-  // kept alive for good for it (keep_alive_forever()). Without `sync_exit`, requests queued but
-  // not started are dropped: their callers fail through peer loss or their timeout.
-  // `led_last`: this worker led the group's last gather (graceful shutdown); it is the one to
-  // leave last when the store cannot order the exit.
-  void stop(bool sync_exit, milliseconds timeout, bool led_last = false) {
-    if (stopped_.exchange(true)) return;
-    // No layer sends a protocol message from now on (e.g. user RRefs still alive are dead).
-    for (const auto& x : extensions_) x->on_stop();
-    std::exception_ptr barrier_error;
-    if (sync_exit && store_) {
-      try {
-        exit_barrier(timeout);
-        leave_store();
-      } catch (...) {
-        // The store may have gone with a lost member (rank 0 hosts a tcp:// or env:// one): then
-        // there is nobody left to synchronize with through it, and the loss is what shutdown()
-        // reports. The last gather's leader then leaves last, so its answers reach the others
-        // before its connections close (they leave as soon as they have the answer).
-        if (!any_lost()) barrier_error = std::current_exception();
-        if (led_last) wait_others_gone(std::chrono::seconds(5));
-      }
-    }
-    // Only an agent someone owns can outlive this call; one already being destroyed (no owner
-    // left) waits without bound rather than leave threads behind that would use freed memory.
-    auto owned = weak_from_this().lock();
-    const milliseconds grace = timeout.count() > 0 ? timeout : options_.shutdown_grace;
-    const auto deadline = owned ? Clock::now() + grace : Clock::time_point::max();
-    // No request starts from now on (without sync_exit, queued ones are dropped); offers from the
-    // transport meet a refusal and drop theirs too.
-    request_pool_.close(/*drop_queued=*/!sync_exit);
-    // Pending calls fail before the transport stops too: a request running on a reading thread
-    // (leader/follower) may wait on one of them, and the transport joins that thread. And after,
-    // for a call that raced past the `stopped_` check.
-    fail_pending_calls();
-    const std::size_t on_readers = transport_shutdown(deadline);
-    fail_pending_calls();
-    const std::size_t on_requests = request_pool_.shutdown(deadline, /*drop_queued=*/!sync_exit);
-    // Callbacks still queued run (they complete futures users may wait on), within the bound.
-    const std::size_t on_callbacks = callback_pool_.shutdown(deadline);
-    calls_.stop();
-    if (const std::size_t n = on_readers + on_requests + on_callbacks; n > 0) {
-      std::fprintf(stderr,
-                   "distrpc: %s: shutdown abandoned %zu thread(s) still running user code after "
-                   "%lld ms (%zu request handler(s) on the request pool, %zu on transport reading "
-                   "threads, %zu callback(s)); they are detached and this agent stays in memory\n",
-                   self_.name.c_str(), n, static_cast<long long>(grace.count()), on_requests,
-                   on_readers, on_callbacks);
-      keep_alive_forever(std::move(owned));
-    }
-    store_.reset();
-    if (barrier_error) std::rethrow_exception(barrier_error);
-  }
-
-  bool stopped() const { return stopped_.load(); }
-
- protected:
-  using Clock = std::chrono::steady_clock;
-
-  virtual void transport_send(int peer, wire::Message&& m) = 0;
-  virtual std::string transport_address() const = 0;
-  virtual void transport_add_peer(int id, const std::string& name, const std::string& address) = 0;
-  // Stops the transport, waiting for a reading thread that runs a handed-back request no later
-  // than `deadline`; returns how many such threads it abandoned (transport::shutdown_until()).
-  virtual std::size_t transport_shutdown(Clock::time_point deadline) = 0;
-
- private:
   // An abandoned thread returns from its handler whenever it does, and then still uses this
   // agent: it encodes and sends the reply (through the transport context the agent owns, whose
   // send fails quietly after stop), updates the counters, finishes its pool loop. Tasks capture
@@ -530,15 +488,30 @@ class RpcAgent : public AgentServices,
     kept->push_back(std::move(agent));
   }
 
+  void encode_in_layers(std::size_t i, int dst, FunctionRef<void()> encode,
+                        std::vector<std::function<void()>>& undo) {
+    if (i == extensions_.size()) {
+      encode();
+      return;
+    }
+    extensions_[i]->encode_for(
+        dst, [&] { encode_in_layers(i + 1, dst, encode, undo); }, undo);
+  }
+  void decode_in_layers(std::size_t i, int from, FunctionRef<void()> decode) {
+    if (i == extensions_.size()) {
+      decode();
+      return;
+    }
+    extensions_[i]->decode_from(from, [&] { decode_in_layers(i + 1, from, decode); });
+  }
+
   // Fails every call still waiting for a reply (local stop).
   void fail_pending_calls() {
     for (const auto& [id, what] : calls_.calls_to(-1)) {
       fail_call(id, std::make_exception_ptr(
-                        RpcError("RPC agent of " + self_.str() + " shut down before the reply")));
+                        RpcError("RPC agent of " + self().str() + " shut down before the reply")));
     }
   }
-
-  std::string key(const std::string& k) const { return "distrpc/rpc/" + k; }
 
   static void detail_clone_buffers(wire::Message& m) {
     for (auto& b : m.buffers) b = b.clone();
@@ -564,11 +537,9 @@ class RpcAgent : public AgentServices,
   void complete_call(int peer, wire::Message&& m) {
     auto taken = calls_.take(m.id, peer);
     if (taken.other_peer) {
-      std::fprintf(stderr,
-                   "distrpc: %s: dropping a reply for call %llu from worker %d: the call went "
-                   "to %s\n",
-                   self_.name.c_str(), static_cast<unsigned long long>(m.id), peer,
-                   taken.other_peer->str().c_str());
+      detail::log_warning(self().name, "dropping a reply for call " + std::to_string(m.id) +
+                                          " from worker " + std::to_string(peer) +
+                                          ": the call went to " + taken.other_peer->str());
       return;
     }
     if (!taken.call) return;  // timed out or failed already: the late reply is dropped
@@ -588,7 +559,71 @@ class RpcAgent : public AgentServices,
     calls_.settled(taken.call->internal);
   }
 
+  static std::shared_ptr<const Registry> global_registry() {
+    // Not owned: the process's registry lives as long as the process.
+    return std::shared_ptr<const Registry>(&Registry::instance(), [](const Registry*) {});
+  }
+
+  // The function a peer asks for: from this agent's registry, or one of the library's own from
+  // the process's.
+  std::optional<detail::RegistryEntry> find_function(const std::string& name) const {
+    auto entry = registry_->find(name);
+    if (!entry && registry_.get() != &Registry::instance()) {
+      entry = Registry::instance().find(name);
+      if (entry && !entry->library) entry.reset();
+    }
+    return entry;
+  }
+
+  // The layers' enter_request() scopes, released in reverse order.
+  class LayerScopes {
+   public:
+    LayerScopes(const RpcAgent& agent, int peer) {
+      for (const auto& x : agent.extensions_) {
+        if (auto scope = x->enter_request(peer)) scopes_.push_back(std::move(scope));
+      }
+    }
+    ~LayerScopes() {
+      while (!scopes_.empty()) scopes_.pop_back();
+    }
+    LayerScopes(const LayerScopes&) = delete;
+    LayerScopes& operator=(const LayerScopes&) = delete;
+
+   private:
+    std::vector<std::shared_ptr<void>> scopes_;
+  };
+
+  // What the registry's handler of the request running on this thread reaches
+  // (detail::tls_request_hooks), while it runs.
+  class RunningRequest final : public detail::RequestHooks {
+   public:
+    RunningRequest(RpcAgent& agent, int peer)
+        : agent_(agent), peer_(peer), saved_(detail::tls_request_hooks) {
+      detail::tls_request_hooks = this;
+    }
+    ~RunningRequest() { detail::tls_request_hooks = saved_; }
+    RunningRequest(const RunningRequest&) = delete;
+    RunningRequest& operator=(const RunningRequest&) = delete;
+
+    void arguments_decoded() override {
+      for (const auto& x : agent_.extensions_) x->arguments_decoded(peer_);
+    }
+    std::function<std::shared_ptr<void>()> reopener() const override {
+      return [weak = agent_.weak_from_this(), peer = peer_]() -> std::shared_ptr<void> {
+        auto agent = weak.lock();
+        if (!agent) return nullptr;
+        return std::make_shared<LayerScopes>(*agent, peer);
+      };
+    }
+
+   private:
+    RpcAgent& agent_;
+    const int peer_;
+    detail::RequestHooks* const saved_;
+  };
+
   void handle_request(int peer, wire::Message&& req) {
+    detail::CurrentAgentScope current(this);
     const std::uint64_t id = req.id;
     RequestHeader h;
     Future<wire::Message> result;
@@ -603,24 +638,22 @@ class RpcAgent : public AgentServices,
         calls_.server_begin();
         counted = true;
       }
-      auto entry = Registry::instance().find(h.name);
+      auto entry = find_function(h.name);
       if (!entry) {
-        throw RpcError("function '" + h.name + "' is not registered on " + self_.str() +
+        throw RpcError("function '" + h.name + "' is not registered on " + self().str() +
                        ": register it there with DISTRPC_REGISTER(" + h.name +
                        ") or build both sides from the same source");
       }
       if (entry->signature != h.signature) {
-        throw RpcError("signature mismatch for function '" + h.name + "' on " + self_.str() +
+        throw RpcError("signature mismatch for function '" + h.name + "' on " + self().str() +
                        ": the callee's is '" + entry->signature_text +
                        "' and the caller's differs (rebuild both sides from the same source)");
       }
       // The layers' scopes around the run (e.g. RRefs among the arguments come from `peer`,
-      // RRefs in the result go back to it), released in reverse order.
-      std::vector<std::shared_ptr<void>> scopes;
-      for (const auto& x : extensions_) {
-        if (auto scope = x->enter_request(peer)) scopes.push_back(std::move(scope));
-      }
-      if (h.mode == CallMode::call) {
+      // RRefs in the result go back to it), and their hooks for the handler.
+      LayerScopes scopes(*this, peer);
+      RunningRequest hooks(*this, peer);
+      if (h.mode == RequestHeader::kPlainCall) {
         result = entry->handler(req);
       } else {
         std::optional<Future<wire::Message>> ran;
@@ -628,13 +661,12 @@ class RpcAgent : public AgentServices,
           if ((ran = x->run_request(peer, h, *entry, req))) break;
         }
         if (!ran) {
-          throw RpcError("no layer on " + self_.str() + " runs requests of mode " +
+          throw RpcError("no layer on " + self().str() + " runs requests of mode " +
                          std::to_string(static_cast<int>(h.mode)) + " (function '" + h.name +
                          "')");
         }
         result = std::move(*ran);
       }
-      while (!scopes.empty()) scopes.pop_back();
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
     }
@@ -642,7 +674,8 @@ class RpcAgent : public AgentServices,
     // remote() whose creator sent a fetch along: the creator learns of the failed creation
     // first).
     std::exception_ptr unrun =
-        h.mode != CallMode::call && result.has_error() ? result.exception_ptr() : nullptr;
+        h.mode != RequestHeader::kPlainCall && result.has_error() ? result.exception_ptr()
+                                                                  : nullptr;
     reply_when_done(peer, id, h.name, counted, std::move(result));
     if (unrun) {
       for (const auto& x : extensions_) x->request_not_run(peer, h, unrun);
@@ -652,6 +685,7 @@ class RpcAgent : public AgentServices,
   // A control message of a layer plugged in (on the callback pool): its block of kinds names the
   // layer (AgentExtension::kKindsPerExtension).
   void handle_control(int peer, wire::Message&& req) {
+    detail::CurrentAgentScope current(this);
     const std::uint64_t id = req.id;
     const int kind =
         static_cast<int>(req.type) - static_cast<int>(wire::MessageType::kFirstControl);
@@ -665,7 +699,7 @@ class RpcAgent : public AgentServices,
       }
       if (kind < 0 || owner == nullptr) {
         throw RpcError("unknown control message kind " + std::to_string(kind) + " from worker " +
-                       std::to_string(peer) + " (on " + self_.str() + ")");
+                       std::to_string(peer) + " (on " + self().str() + ")");
       }
       const int own = kind % AgentExtension::kKindsPerExtension;
       name = owner->control_name(own);
@@ -680,10 +714,10 @@ class RpcAgent : public AgentServices,
   bool dispatch_local(wire::Message&& request) {
     if (wire::is_control_message_type(request.type)) {
       return callback_pool_.post(
-          [this, req = std::move(request)]() mutable { handle_control(self_.id, std::move(req)); });
+          [this, req = std::move(request)]() mutable { handle_control(self().id, std::move(req)); });
     }
     return request_pool_.post(
-        [this, req = std::move(request)]() mutable { handle_request(self_.id, std::move(req)); });
+        [this, req = std::move(request)]() mutable { handle_request(self().id, std::move(req)); });
   }
 
   void reply_when_done(int peer, std::uint64_t id, const std::string& name, bool counted,
@@ -692,9 +726,9 @@ class RpcAgent : public AgentServices,
       wire::Message out;
       if (done.has_error()) {
         WireException w = ExceptionRegistry::instance().encode(done.exception_ptr());
-        std::fprintf(stderr, "distrpc: %s: '%s' called by worker %d raised %s: %s\n",
-                     self_.name.c_str(), name.c_str(), peer, w.type_name.c_str(),
-                     w.message.c_str());
+        detail::log_warning(self().name, "'" + name + "' called by worker " +
+                                             std::to_string(peer) + " raised " + w.type_name +
+                                             ": " + w.message);
         out.type = wire::MessageType::Exception;
         wire::encode(out, w);
       } else {
@@ -715,7 +749,7 @@ class RpcAgent : public AgentServices,
             if (!transport::on_transport_thread()) {
               fn();
             } else if (!callback_pool_.post(std::move(fn))) {
-              throw RpcError("RPC agent of " + self_.str() + " is shut down: reply dropped");
+              throw RpcError("RPC agent of " + self().str() + " is shut down: reply dropped");
             }
           },
           respond);
@@ -723,7 +757,7 @@ class RpcAgent : public AgentServices,
   }
 
   void send_reply(int peer, wire::Message&& out) {
-    if (peer == self_.id) {
+    if (peer == self().id) {
       detail_clone_buffers(out);
       complete_call(peer, std::move(out));
       return;
@@ -734,79 +768,23 @@ class RpcAgent : public AgentServices,
       // The caller learns of it through peer loss or its timeout; nothing else to do here. After
       // stop (a handler abandoned by shutdown returned at last) that is expected: no message.
       if (stopped_.load()) return;
-      std::fprintf(stderr, "distrpc: %s: could not send a reply to worker %d: %s\n",
-                   self_.name.c_str(), peer, e.what());
+      detail::log_warning(self().name, "could not send a reply to worker " + std::to_string(peer) +
+                                          ": " + e.what());
     }
   }
 
-  bool any_lost() const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    return !lost_.empty();
-  }
-  int live_members() const {
-    std::lock_guard<std::mutex> lk(group_mu_);
-    return world_size_ - static_cast<int>(lost_.size());
-  }
-
-  void exit_barrier(milliseconds timeout) {
-    auto& st = *store_;
-    const std::string k = key("exit");
-    st.add(k, 1);
-    const auto deadline =
-        Clock::now() + (timeout.count() > 0 ? timeout : milliseconds(std::chrono::minutes(5)));
-    // Lost members never arrive: the count wanted shrinks as losses become known meanwhile.
-    while (st.add(k, 0) < live_members()) {
-      if (Clock::now() > deadline) {
-        throw RpcError(
-            "graceful shutdown timed out waiting for the other workers at the exit barrier");
-      }
-      std::this_thread::sleep_for(milliseconds(1));
-    }
-  }
-
-  // The process hosting the store server (rank 0) must outlive the other ranks' last use of it:
-  // past the exit barrier each rank marks that it left, and rank 0 waits until every other rank
-  // either did or is lost (a rank killed after the exit barrier never marks it). Runs while the
-  // transport still reports losses; bounded, since every rank is past the exit barrier already.
-  void leave_store() {
-    auto& st = *store_;
-    if (self_.id != 0) {
-      st.add(key("left/" + std::to_string(self_.id)), 1);
-      return;
-    }
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
-    for (int r = 1; r < world_size_; ++r) {
-      while (st.add(key("left/" + std::to_string(r)), 0) == 0 && !is_lost(r) &&
-             Clock::now() < deadline) {
-        std::this_thread::sleep_for(milliseconds(1));
-      }
-    }
-  }
-
-  // Waits until every member not known lost, other than this one, closed its connections (they
-  // are then reported lost), or `limit` passes.
-  void wait_others_gone(milliseconds limit) {
-    const auto deadline = Clock::now() + limit;
-    while (live_members() > 1 && Clock::now() < deadline) {
-      std::this_thread::sleep_for(milliseconds(1));
-    }
-  }
-
-  const WorkerInfo self_;
-  const int world_size_;
+  detail::Membership members_;
   const RpcBackendOptions options_;
   std::atomic<milliseconds> default_timeout_;
+  const std::shared_ptr<const Registry> registry_;
 
-  mutable std::mutex group_mu_;
-  std::vector<WorkerInfo> workers_;
-  std::map<std::string, int> by_name_;
-  std::map<int, std::string> lost_;  // id -> why (mark_lost)
+  // Requests that arrived before the worker table was read (hold_or_dispatch).
+  std::mutex early_mu_;
   std::atomic<bool> group_ready_{false};
   std::vector<std::pair<int, wire::Message>> early_requests_;
 
   detail::GatherTable gathers_;
 
-  std::shared_ptr<store::Store> store_;
   std::atomic<bool> stopped_{false};
 
   ThreadPool request_pool_;
@@ -823,8 +801,10 @@ class Agent final : public RpcAgent {
   static_assert(transport::check_transport<T>(), "see the messages above");
 
  public:
-  Agent(WorkerInfo self, int world_size, const RpcBackendOptions& opts)
-      : RpcAgent(std::move(self), world_size, opts), ctx_(make_options(), make_callbacks()) {}
+  Agent(WorkerInfo self, int world_size, const RpcBackendOptions& opts,
+        std::shared_ptr<const Registry> registry = nullptr)
+      : RpcAgent(std::move(self), world_size, opts, std::move(registry)),
+        ctx_(make_options(), make_callbacks()) {}
 
   ~Agent() override {
     try {

@@ -69,6 +69,8 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/log.hpp"
+
 namespace distrpc {
 
 class FutureBase;
@@ -194,10 +196,9 @@ inline void log_dropped_error(const char* where, const std::exception_ptr& e) no
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& ex) {
-    std::fprintf(stderr, "[distrpc] %s: exception dropped: %s\n", where, ex.what());
+    log_warning(where, std::string("exception dropped: ") + ex.what());
   } catch (...) {
-    std::fprintf(stderr, "[distrpc] %s: exception dropped (not derived from std::exception)\n",
-                 where);
+    log_warning(where, "exception dropped (not derived from std::exception)");
   }
 }
 
@@ -491,7 +492,8 @@ void run_then(F& fn, Future<T>& parent, const Future<U>& child) noexcept;
 // ---- Future<T> ----
 
 template <class T>
-class Future : public FutureBase {
+// [[nodiscard]]: a Future dropped unread loses its error silently (rpc_async, then()).
+class [[nodiscard]] Future : public FutureBase {
   static_assert(!std::is_reference_v<T>,
                 "distrpc::Future<T>: T must not be a reference; return the value "
                 "(Future<X>) or a handle such as std::shared_ptr<X>");

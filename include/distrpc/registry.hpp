@@ -15,49 +15,49 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
-#include "distrpc/rref/id.hpp"
-#include "distrpc/rref/scope.hpp"
-#include "distrpc/rref/value.hpp"
 #include "distrpc/wire.hpp"
+#include "distrpc/wire/boxed_value.hpp"
+
+// At global scope on purpose: GCC spells a template's function argument relative to the
+// template's own namespace, so only from here are the library's functions named in full
+// ("distrpc::detail::run_builtin"; function_name() says "run_builtin").
+template <auto F>
+constexpr std::string_view distrpc_function_full_name_pretty() {
+  return __PRETTY_FUNCTION__;
+}
 
 namespace distrpc {
 
-// How a request wants its function run.
-enum class CallMode : std::uint8_t {
-  call = 0,    // rpc_sync / rpc_async: the result travels back
-  remote = 1,  // remote(): the result stays with the callee, who owns RRef `rref_id`
-};
-
 // The first value of every request payload: which function, and how it is typed.
 struct RequestHeader {
+  // How the function is run. kPlainCall: the result travels back (rpc_sync / rpc_async). Other
+  // modes belong to a layer plugged into the agent (AgentExtension::run_request; RRefs' remote()
+  // is one), whose own fields travel in `mode_data`, opaque here.
+  static constexpr std::uint8_t kPlainCall = 0;
+
   std::string name;
   std::uint64_t signature = 0;
   // Calls the agent makes for itself (all-gather, join) are not counted as user work.
   bool internal = false;
-  CallMode mode = CallMode::call;
-  // Only for CallMode::remote: the RRef the callee creates, and the caller's fork of it (equal to
-  // rref_id when the caller is the owner itself).
-  RRefId rref_id{};
-  ForkId fork_id{};
+  std::uint8_t mode = kPlainCall;
+  std::string mode_data{};
 
   template <class Archive>
   void save(Archive& ar) const {
-    ar(name, signature, internal, static_cast<std::uint8_t>(mode));
-    if (mode == CallMode::remote) ar(rref_id, fork_id);
+    ar(name, signature, internal, mode);
+    if (mode != kPlainCall) ar(mode_data);
   }
   template <class Archive>
   void load(Archive& ar) {
-    std::uint8_t m = 0;
-    ar(name, signature, internal, m);
-    if (m > 1) throw wire::DecodeError("unknown call mode " + std::to_string(m) + " in a request");
-    mode = static_cast<CallMode>(m);
-    if (mode == CallMode::remote) ar(rref_id, fork_id);
+    ar(name, signature, internal, mode);
+    if (mode != kPlainCall) ar(mode_data);
   }
 };
 
@@ -65,15 +65,42 @@ namespace detail {
 
 // Runs a decoded request; returns the response message (ready, or later for async functions).
 using Handler = std::function<Future<wire::Message>(const wire::Message& request)>;
-// Runs a decoded remote() request; returns the value the owner's RRef will hold.
-using RemoteHandler = std::function<Future<BoxedValue>(const wire::Message& request)>;
+// Runs a decoded request whose result a layer keeps where it is (remote()): returns it boxed.
+using BoxedHandler = std::function<Future<BoxedValue>(const wire::Message& request)>;
 
 struct RegistryEntry {
   std::uint64_t signature = 0;
   std::string signature_text;
   Handler handler;
-  RemoteHandler remote_handler;
+  BoxedHandler boxed_handler;
+  // One of the library's own (namespace distrpc): served by every agent, whatever its registry.
+  bool library = false;
 };
+
+// True for the library's own functions (the group protocol, builtin operators, RRef proxies and
+// module helpers).
+template <auto F>
+constexpr bool is_library_function() {
+  return extract(distrpc_function_full_name_pretty<F>(), "F = ").substr(0, 9) == "distrpc::";
+}
+
+// The layers' hooks around the request this thread runs, set by the agent while a handler runs
+// (RpcAgent::handle_request, AgentExtension), so that the registry's handlers reach them without
+// knowing the layers.
+class RequestHooks {
+ public:
+  // The handler decoded the arguments and is about to run the function (e.g. wait until the
+  // owner of every RRef among them confirmed it).
+  virtual void arguments_decoded() = 0;
+  // For a result encoded later on another thread (a function returning a Future): something
+  // that reopens the layers' scopes of this request there, for as long as what it returns lives.
+  virtual std::function<std::shared_ptr<void>()> reopener() const = 0;
+
+ protected:
+  ~RequestHooks() = default;
+};
+
+inline thread_local RequestHooks* tls_request_hooks = nullptr;
 
 }  // namespace detail
 
@@ -85,10 +112,11 @@ class Registry {
   }
 
   void add(std::string name, std::uint64_t signature, std::string signature_text,
-           detail::Handler handler, detail::RemoteHandler remote_handler = {}) {
+           detail::Handler handler, detail::BoxedHandler boxed_handler = {}, bool library = false) {
     std::lock_guard<std::mutex> lk(mu_);
-    entries_[std::move(name)] = detail::RegistryEntry{
-        signature, std::move(signature_text), std::move(handler), std::move(remote_handler)};
+    entries_[std::move(name)] =
+        detail::RegistryEntry{signature, std::move(signature_text), std::move(handler),
+                              std::move(boxed_handler), library};
   }
 
   std::optional<detail::RegistryEntry> find(const std::string& name) const {
@@ -99,6 +127,11 @@ class Registry {
   }
 
   bool contains(const std::string& name) const { return find(name).has_value(); }
+
+  // Adds function F (a function or static member function), as DISTRPC_REGISTER(F) does for the
+  // process's registry: for an agent given this registry (RpcGroup::join).
+  template <auto F>
+  void add();
 
  private:
   mutable std::mutex mu_;
@@ -124,13 +157,14 @@ inline wire::Message empty_response() {
 template <auto F>
 using fn_result_t = typename fn_traits<decltype(F)>::result;
 
-// Decodes (header, args...) and waits until the owner confirmed every RRef among the arguments.
+// Decodes (header, args...); then the layers finish what the arguments need before the function
+// runs (RequestHooks::arguments_decoded).
 template <auto F>
 typename fn_traits<decltype(F)>::args decode_arguments(const wire::Message& request) {
   RequestHeader header;
   typename fn_traits<decltype(F)>::args args;
   wire::decode(request, header, args);
-  await_rref_confirmations();
+  if (tls_request_hooks != nullptr) tls_request_hooks->arguments_decoded();
   return args;
 }
 
@@ -148,17 +182,13 @@ Future<wire::Message> invoke(const wire::Message& request) {
   } else {
     auto args = decode_arguments<F>(request);
     if constexpr (is_future_v<R>) {
-      // The result is encoded later, on another thread: carry the encoding scope (where RRefs in
-      // the result are forked to) over to it.
-      std::shared_ptr<RRefEncodeScope> scope;
-      if (tls_rref_encode != nullptr) {
-        scope = std::make_shared<RRefEncodeScope>();
-        scope->ctx = tls_rref_encode->ctx;
-        scope->dst = tls_rref_encode->dst;
-      }
+      // The result is encoded later, on another thread: the layers' scopes of this request (e.g.
+      // where RRefs in the result are forked to) are reopened there.
+      std::function<std::shared_ptr<void>()> reopen;
+      if (tls_request_hooks != nullptr) reopen = tls_request_hooks->reopener();
       R fut = std::apply(F, std::move(args));
-      return fut.then([scope](const R& done) {
-        EncodeScopeGuard guard(tls_rref_encode, scope.get());
+      return fut.then([reopen = std::move(reopen)](const R& done) {
+        const auto scopes = reopen ? reopen() : nullptr;
         if constexpr (std::is_void_v<V>) {
           done.value();
           return empty_response();
@@ -175,13 +205,13 @@ Future<wire::Message> invoke(const wire::Message& request) {
   }
 }
 
-// The remote() handler of F: decode, call, and box the result for the owner's RRef (a function
-// returning void leaves a NoValue: the RRef<void> only tells that it ran, or how it failed).
+// The boxed handler of F: decode, call, and box the result for the layer that keeps it (remote():
+// the owner's RRef). A function returning void leaves a NoValue: it only tells that it ran.
 template <auto F>
 Future<BoxedValue> invoke_boxed(const wire::Message& request) {
   using R = fn_result_t<F>;
   using V = unwrap_future_t<R>;
-  using S = rref_storage_t<V>;
+  using S = boxed_storage_t<V>;
   auto args = decode_arguments<F>(request);
   if constexpr (is_future_v<R>) {
     R fut = std::apply(F, std::move(args));
@@ -206,7 +236,8 @@ template <auto F>
 struct Registrar {
   static bool add() {
     Registry::instance().add(std::string(function_name<F>()), signature_hash<F>(),
-                             std::string(type_name<decltype(F)>()), &invoke<F>, &invoke_boxed<F>);
+                             std::string(type_name<decltype(F)>()), &invoke<F>, &invoke_boxed<F>,
+                             is_library_function<F>());
     return true;
   }
   // Odr-using this from a call site instantiates it: the binary that calls F also serves F.
@@ -219,6 +250,15 @@ void ensure_registered() {
 }
 
 }  // namespace detail
+
+template <auto F>
+void Registry::add() {
+  static_assert(detail::free_function<F>,
+                "distrpc::Registry::add<&f>(): f must be a function or static member function");
+  add(std::string(detail::function_name<F>()), detail::signature_hash<F>(),
+      std::string(detail::type_name<decltype(F)>()), &detail::invoke<F>, &detail::invoke_boxed<F>,
+      detail::is_library_function<F>());
+}
 }  // namespace distrpc
 
 #define DISTRPC_REGISTER_CAT2(a, b) a##b

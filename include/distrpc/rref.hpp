@@ -27,7 +27,7 @@
 #include "distrpc/rref/id.hpp"
 #include "distrpc/rref/proxy.hpp"
 #include "distrpc/rref/scope.hpp"
-#include "distrpc/rref/value.hpp"
+#include "distrpc/wire/boxed_value.hpp"
 
 namespace distrpc {
 
@@ -468,13 +468,12 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
                       const std::string& what) {
   const auto timeout = agent->effective_timeout(opts.timeout);
   auto ctx = detail::rref_context_of(*agent);
-  const std::uint64_t type_hash = type_hash_of<rref_storage_t<R>>();
+  const std::uint64_t type_hash = type_hash_of<boxed_storage_t<R>>();
   std::shared_ptr<RRefImpl> impl = dst.id == agent->self().id
                                        ? ctx->begin_remote_self(type_hash)
                                        : ctx->begin_remote_user(dst, type_hash);
-  header.mode = CallMode::remote;
-  header.rref_id = impl->id;
-  header.fork_id = impl->fork_id;
+  header.mode = RRefContext::kRemoteMode;
+  header.mode_data = RemoteFields{impl->id, impl->fork_id}.encode();
   Future<wire::Message> reply;
   std::exception_ptr encode_error;
   try {

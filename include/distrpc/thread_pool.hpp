@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "distrpc/bounded_thread.hpp"
+#include "distrpc/log.hpp"
 
 namespace distrpc {
 
@@ -37,9 +38,13 @@ class ThreadPool {
 
   // `base` threads start now and live until shutdown; up to `max - base` more are started when a
   // task is posted while none is idle, and retire after `linger` without work.
+  // `on_thread_start` runs first on every thread the pool starts (e.g. to name the agent the
+  // thread works for).
   ThreadPool(std::string name, std::size_t base, std::size_t max,
-             std::chrono::milliseconds linger = std::chrono::seconds(10))
-      : s_(std::make_shared<State>(std::move(name), base, max < base ? base : max, linger)) {
+             std::chrono::milliseconds linger = std::chrono::seconds(10),
+             std::function<void()> on_thread_start = {})
+      : s_(std::make_shared<State>(std::move(name), base, max < base ? base : max, linger,
+                                   std::move(on_thread_start))) {
     std::lock_guard<std::mutex> lk(s_->mu);
     for (std::size_t i = 0; i < s_->base; ++i) start_thread_locked(s_, /*core=*/true);
   }
@@ -120,12 +125,14 @@ class ThreadPool {
  private:
   // Everything a worker thread touches; each worker holds a shared_ptr to it.
   struct State {
-    State(std::string n, std::size_t b, std::size_t m, std::chrono::milliseconds l)
-        : name(std::move(n)), base(b), max(m), linger(l) {}
+    State(std::string n, std::size_t b, std::size_t m, std::chrono::milliseconds l,
+          std::function<void()> start)
+        : name(std::move(n)), base(b), max(m), linger(l), on_thread_start(std::move(start)) {}
     const std::string name;
     const std::size_t base;
     const std::size_t max;
     const std::chrono::milliseconds linger;
+    const std::function<void()> on_thread_start;
     mutable std::mutex mu;
     std::condition_variable cv;
     std::deque<std::function<void()>> queue;
@@ -162,6 +169,7 @@ class ThreadPool {
     current_pool() = &s;
     // Named after the pool (Linux keeps 15 characters), or it would inherit its creator's name.
     ::pthread_setname_np(::pthread_self(), s.name.substr(0, 15).c_str());
+    if (s.on_thread_start) s.on_thread_start();
     std::unique_lock<std::mutex> lk(s.mu);
     while (true) {
       ++s.idle;
@@ -183,11 +191,9 @@ class ThreadPool {
           try {
             task();
           } catch (const std::exception& e) {
-            std::fprintf(stderr, "distrpc: uncaught exception in %s thread: %s\n", s.name.c_str(),
-                         e.what());
+            detail::log_error(s.name + " thread", std::string("uncaught exception: ") + e.what());
           } catch (...) {
-            std::fprintf(stderr, "distrpc: uncaught non-standard exception in %s thread\n",
-                         s.name.c_str());
+            detail::log_error(s.name + " thread", "uncaught non-standard exception");
           }
         }
         task = nullptr;  // its captures may hold user objects: destroyed in the scope, unlocked

@@ -2,10 +2,12 @@
 # Compile-time checks that must fail with a readable message: each .cpp here names the text its
 # compilation must produce on its first line ("// expect: ..."). Prints "N passed, M failed".
 set -uo pipefail
+# Compiler messages in ASCII quotes, whatever the caller's locale, so the expected texts match.
+export LC_ALL=C
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-flags=(-std=c++20 -fsyntax-only -DASIO_STANDALONE -I"$repo/include" -I"$repo/transports/tcp/include"
-       -isystem /usr/include/torch/csrc/api/include)
+flags=(-std=c++20 -fsyntax-only -Werror=unused-result -DASIO_STANDALONE -I"$repo/include"
+       -I"$repo/transports/tcp/include" -isystem /usr/include/torch/csrc/api/include)
 # Each check is a libtorch-heavy -fsyntax-only compile: run them DISTRPC_JOBS (2) at a time.
 out_dir=$(mktemp -d)
 trap 'rm -rf "$out_dir"' EXIT

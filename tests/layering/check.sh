@@ -11,7 +11,7 @@ layer_of() {
   case "$1" in
     distrpc/future.hpp | distrpc/error.hpp | distrpc/rpc_error.hpp | distrpc/worker_info.hpp | \
       distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
-      distrpc/function_id.hpp | distrpc/log.hpp | distrpc/log_c10.hpp) echo 0 ;;                                      # values
+      distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | distrpc/log_c10.hpp) echo 0 ;;                                      # values
     distrpc/wire.hpp | distrpc/wire/*) echo 1 ;;                              # wire
     distrpc/store.hpp | distrpc/store/*) echo 2 ;;                            # store
     distrpc/transport/*) echo 3 ;;                                            # transport

@@ -11,6 +11,7 @@
 
 #include <distrpc/options.hpp>
 #include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
 #include <distrpc/rpc_error.hpp>
 
 #include "multiprocess.hpp"

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "distrpc/function_ref.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/wire.hpp"
@@ -80,7 +81,10 @@ class AgentExtension {
   // handler decodes the arguments, runs, and encodes a result that is ready at once (e.g. the
   // thread-local scopes under which RRefs among arguments and results are forked).
   virtual std::shared_ptr<void> enter_request(int /*peer*/) { return nullptr; }
-  // A request of a mode this layer owns (RequestHeader::mode other than CallMode::call): runs it
+  // The request's handler decoded its arguments, inside this layer's enter_request() scope, and
+  // is about to run the function (e.g. wait until RRef arguments are confirmed by their owner).
+  virtual void arguments_decoded(int /*peer*/) {}
+  // A request of a mode this layer owns (RequestHeader::mode other than kPlainCall): runs it
   // and returns its reply, or nullopt when the mode is not this layer's.
   virtual std::optional<Future<wire::Message>> run_request(int /*peer*/,
                                                            const RequestHeader& /*header*/,
@@ -92,6 +96,17 @@ class AgentExtension {
   // undecodable arguments): called after the error reply was sent.
   virtual void request_not_run(int /*peer*/, const RequestHeader& /*header*/,
                                std::exception_ptr /*error*/) {}
+
+  // A call to worker `dst` is being encoded on this thread: runs encode() inside the layer's scope
+  // (e.g. where RRefs among the arguments are forked to). What must be undone if the message is
+  // never sent goes into `undo`; if encode() throws, the layer undoes its part itself.
+  virtual void encode_for(int /*dst*/, FunctionRef<void()> encode,
+                          std::vector<std::function<void()>>& /*undo*/) {
+    encode();
+  }
+  // A reply from worker `from` is being decoded on this thread: runs decode() inside the layer's
+  // scope (e.g. RRefs in it were forked by `from`).
+  virtual void decode_from(int /*from*/, FunctionRef<void()> decode) { decode(); }
 
   // Worker `peer` is lost (on the callback pool).
   virtual void on_peer_lost(int /*peer*/) {}

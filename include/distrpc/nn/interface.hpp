@@ -27,7 +27,7 @@
 
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
-#include "distrpc/rref/value.hpp"
+#include "distrpc/wire/boxed_value.hpp"
 
 namespace distrpc::nn::detail {
 

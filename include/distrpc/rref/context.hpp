@@ -10,7 +10,8 @@
 // Messages (agent control kinds 0..4, each a request answered by an empty Response or an
 // Exception): ForkRequest (child -> owner), ChildAccept (child -> parent), UserDelete (user ->
 // owner), Fetch (user -> owner, answered with the value), TypeQuery (user -> owner, answered with
-// the type's name). remote() itself is a Request with CallMode::remote.
+// the type's name). remote() itself is a Request of mode RRefContext::kRemoteMode, whose header
+// carries the RRef's ids (RemoteFields).
 //
 // Threads: control messages are handled on the agent's callback pool (never on a transport I/O
 // thread, never on the request pool, so confirmations cannot starve behind blocked handlers).
@@ -39,13 +40,14 @@
 
 #include "distrpc/agent/extension.hpp"
 #include "distrpc/future.hpp"
+#include "distrpc/log.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
 #include "distrpc/rref/id.hpp"
 #include "distrpc/rref/scope.hpp"
-#include "distrpc/rref/value.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire.hpp"
+#include "distrpc/wire/boxed_value.hpp"
 #include "distrpc/worker_info.hpp"
 
 namespace distrpc {
@@ -102,6 +104,31 @@ inline std::atomic<bool>& rref_purge_enabled() {
 
 namespace detail {
 
+
+// What a remote() request carries in its header (RequestHeader::mode_data): the RRef the callee
+// creates, and the caller's fork of it (equal to rref_id when the caller is the owner itself).
+struct RemoteFields {
+  RRefId rref_id;
+  ForkId fork_id;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(rref_id, fork_id);
+  }
+
+  std::string encode() const {
+    wire::Message m;
+    wire::encode(m, *this);
+    return std::move(m.payload);
+  }
+  static RemoteFields decode(const std::string& data) {
+    wire::Message m;
+    m.payload = data;
+    RemoteFields f;
+    wire::decode(m, f);
+    return f;
+  }
+};
 
 // One released fork in a UserDelete message (which carries a batch of them).
 struct UserDeleteEntry {
@@ -221,6 +248,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
 
   // ---- the agent's extension points (agent/extension.hpp) -----------------------------------
   static constexpr int kExtensionId = 0;  // control kinds 0..15: rref_message_type()
+  static constexpr std::uint8_t kRemoteMode = 1;  // RequestHeader::mode of remote()
   int id() const override { return kExtensionId; }
   std::string control_name(int kind) const override {
     return rref_control_name(static_cast<RRefControl>(kind));
@@ -247,24 +275,56 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     };
     return std::make_shared<Scopes>(shared_from_this(), peer);
   }
+  void arguments_decoded(int /*peer*/) override { detail::await_rref_confirmations(); }
   std::optional<Future<wire::Message>> run_request(int peer, const RequestHeader& h,
                                                    const detail::RegistryEntry& entry,
                                                    wire::Message& request) override {
-    if (h.mode != CallMode::remote) return std::nullopt;
-    return run_remote(peer, h, entry.remote_handler, request);
+    if (h.mode != kRemoteMode) return std::nullopt;
+    return run_remote(peer, h, detail::RemoteFields::decode(h.mode_data), entry.boxed_handler,
+                      request);
   }
   void request_not_run(int peer, const RequestHeader& h, std::exception_ptr error) override {
-    if (h.mode == CallMode::remote) remote_not_run(peer, h.rref_id, std::move(error));
+    if (h.mode != kRemoteMode) return;
+    detail::RemoteFields f;
+    try {
+      f = detail::RemoteFields::decode(h.mode_data);
+    } catch (const std::exception&) {
+      return;  // malformed: nothing of it was recorded
+    }
+    remote_not_run(peer, f.rref_id, std::move(error));
+  }
+  // RRefs among a call's arguments are forked to `dst`; the forks are undone if the message is
+  // never sent.
+  void encode_for(int dst, FunctionRef<void()> encode,
+                  std::vector<std::function<void()>>& undo) override {
+    auto scope = std::make_shared<detail::RRefEncodeScope>();
+    scope->ctx = shared_from_this();
+    scope->dst = dst;
+    {
+      detail::EncodeScopeGuard guard(detail::tls_rref_encode, scope.get());
+      try {
+        encode();
+      } catch (...) {
+        scope->rollback();
+        throw;
+      }
+    }
+    if (!scope->undo.empty()) undo.push_back([scope] { scope->rollback(); });
+  }
+  // RRefs in a reply from `from` were forked by `from`.
+  void decode_from(int from, FunctionRef<void()> decode) override {
+    detail::RRefDecodeScope scope{shared_from_this(), from, {}};
+    detail::DecodeScopeGuard guard(detail::tls_rref_decode, &scope);
+    decode();
   }
   void before_exit(std::chrono::milliseconds limit) override {
     if (detail::rref_purge_enabled().load()) purge(limit);
   }
-  // Prints the leaks (stderr) and returns them as the error, unless set_ignore_rref_leak(true).
+  // Logs the leaks and returns them as the error, unless set_ignore_rref_leak(true).
   std::string report_leaks() const override {
     std::string leaks = leak_report();
     if (leaks.empty()) return leaks;
-    std::fprintf(stderr, "distrpc: %s: RRef leaks detected during shutdown:\n%s",
-                 self().name.c_str(), leaks.c_str());
+    detail::log_warning(self().name, "RRef leaks detected during shutdown:\n" + leaks);
     if (ignore_rref_leak_flag().load()) return {};
     return leaks;
   }
@@ -476,18 +536,18 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // ---- owner side ------------------------------------------------------------------------------
 
   // A remote() request for an RRef this worker owns: register the fork, run, store the value.
-  Future<wire::Message> run_remote(int peer, const RequestHeader& h,
-                                   const detail::RemoteHandler& handler,
+  Future<wire::Message> run_remote(int peer, const RequestHeader& h, const detail::RemoteFields& f,
+                                   const detail::BoxedHandler& handler,
                                    const wire::Message& request) {
-    if (!h.rref_id.valid() || !h.fork_id.valid() || h.rref_id.created_on != peer) {
+    if (!f.rref_id.valid() || !f.fork_id.valid() || f.rref_id.created_on != peer) {
       throw RpcError("malformed remote() request from worker " + std::to_string(peer) +
-                     ": RRef id " + h.rref_id.str() + ", fork id " + h.fork_id.str());
+                     ": RRef id " + f.rref_id.str() + ", fork id " + f.fork_id.str());
     }
     CellPtr cell;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      cell = cell_locked(h.rref_id);
-      if (h.fork_id != h.rref_id) add_fork_locked(h.rref_id, h.fork_id, peer);
+      cell = cell_locked(f.rref_id);
+      if (f.fork_id != f.rref_id) add_fork_locked(f.rref_id, f.fork_id, peer);
     }
     Future<detail::BoxedValue> boxed;
     try {
@@ -1023,8 +1083,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     auto me = shared_from_this();
     auto finish = [me, on_done](const Future<wire::Message>& r) {
       if (r.has_error()) {
-        std::fprintf(stderr, "distrpc: %s: %s\n", me->self().name.c_str(),
-                     detail::exception_text(r.exception_ptr()).c_str());
+        detail::log_warning(me->self().name, detail::exception_text(r.exception_ptr()));
       }
       on_done(r);
       if (--me->pending_futures_ == 0) me->cv_.notify_all();

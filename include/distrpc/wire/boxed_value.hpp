@@ -1,7 +1,8 @@
-// The type-erased value an owner holds for an RRef: a shared pointer to the object and a table of
-// what the owner can do with it without knowing its type (name it, check it, serialize it for a
-// fetch). Objects that cannot be serialized may live behind an RRef as long as nobody fetches them:
-// their table says so at run time instead of failing to compile.
+// A type-erased value: a shared pointer to the object and a table of what can be done with it
+// without knowing its type (name it, check it, serialize it). A registered function's result is
+// boxed this way when a layer keeps it instead of sending it back (the owner of an RRef made by
+// remote()). Objects that cannot be serialized may be boxed: their table says so at run time
+// instead of failing to compile.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,7 @@ namespace distrpc::detail {
 
 struct ValueOps {
   std::string type_name;    // the compiler's spelling of T
-  std::uint64_t type_hash;  // fnv1a(type_name): what RRef<T> on another worker compares
+  std::uint64_t type_hash;  // fnv1a(type_name): what a peer expecting T compares
   bool serializable;
   void (*encode)(wire::Message& out, const void* value);
 };
@@ -29,24 +30,24 @@ inline constexpr bool wire_serializable_v =
     cereal::traits::is_output_serializable<T, wire::OutputArchive>::value&&
         cereal::traits::is_input_serializable<T, wire::InputArchive>::value;
 
-// What the owner of an RRef<void> holds (remote() of a function returning void): nothing but the
-// fact that the function ran. An empty serializable unit, so that every path of the protocol
-// (cells, fetches, type checks) treats it like any other value; it is spelled "void" to users.
+// The boxed result of a function returning void: nothing but the fact that the function ran. An
+// empty serializable unit, so that whoever keeps results (e.g. RRef cells, fetches, type checks)
+// treats it like any other value; it is spelled "void" to users.
 struct NoValue {
   template <class Archive>
   void serialize(Archive&) {}
 };
 
-// The type an RRef<R> keeps in the owner's cell.
+// The type a result of type R is boxed as.
 template <class R>
-using rref_storage_t = std::conditional_t<std::is_void_v<R>, NoValue, R>;
+using boxed_storage_t = std::conditional_t<std::is_void_v<R>, NoValue, R>;
 
 template <class T>
 std::uint64_t type_hash_of() {
   return fnv1a(type_name<T>());
 }
 
-// The name users see for the type an RRef holds (type_name(), type mismatch errors).
+// The name users see for a boxed type (e.g. RRef type_name(), type mismatch errors).
 template <class T>
 std::string value_type_name() {
   if constexpr (std::is_same_v<T, NoValue>) {
@@ -75,7 +76,7 @@ const ValueOps* value_ops() {
   return &ops;
 }
 
-// A value produced on the owner by remote(): what the owner's cell will hold.
+// A result kept where it was produced (e.g. by remote(): what the owner's cell will hold).
 struct BoxedValue {
   std::shared_ptr<void> value;
   const ValueOps* ops = nullptr;

@@ -1,0 +1,133 @@
+// The typed call path beneath rpc_sync / rpc_async / remote: where a call goes (Destination), its
+// options, the compile-time checks of a call, and the encoding of a request and decoding of its
+// reply inside the layers' scopes (AgentExtension::encode_for / decode_from).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
+#include "distrpc/agent.hpp"
+#include "distrpc/function_id.hpp"
+#include "distrpc/future.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/worker_info.hpp"
+
+namespace distrpc {
+
+// Where a call goes: a worker name, a WorkerInfo, or a rank.
+class Destination {
+ public:
+  Destination(const char* name) : v_(std::string(name)) {}  // NOLINT: implicit on purpose
+  Destination(std::string name) : v_(std::move(name)) {}    // NOLINT
+  Destination(const WorkerInfo& w) : v_(w) {}               // NOLINT
+  Destination(int rank) : v_(rank) {}                       // NOLINT
+  WorkerInfo resolve(const RpcAgent& agent) const {
+    return std::visit([&](const auto& d) { return agent.worker(d); }, v_);
+  }
+
+ private:
+  std::variant<std::string, WorkerInfo, int> v_;
+};
+
+// Per-call options.
+struct CallOptions {
+  // kUnsetRpcTimeout: the agent's default at the moment of the call; 0: no limit.
+  std::chrono::milliseconds timeout = kUnsetRpcTimeout;
+};
+
+inline CallOptions with_timeout(std::chrono::milliseconds t) {
+  return CallOptions{t};
+}
+
+namespace detail {
+
+// The typed result of a call to worker `from` (decoded inside the layers' scopes: RRefs in it
+// were forked by `from`).
+template <class T>
+Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent,
+                       int from) {
+  Future<T> typed = reply.then([agent, from](const Future<wire::Message>& done) {
+    if constexpr (std::is_void_v<T>) {
+      done.value();
+    } else {
+      T out{};
+      const wire::Message& m = done.value();
+      agent->decode_from(from, [&] { wire::decode(m, out); });
+      return out;
+    }
+  });
+  // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool. A
+  // thread that waits for it reads the transport meanwhile (sync_wait_spin).
+  set_callback_executor(typed, agent->callback_executor());
+  set_wait_driver(typed, agent);
+  return typed;
+}
+
+template <auto F, class... A>
+constexpr void check_call() {
+  static_assert(free_function<F>,
+                "distrpc: the template argument must be a pointer to a function or static member "
+                "function, e.g. distrpc::rpc_sync<&add>(\"worker1\", x, y)");
+  if constexpr (free_function<F>) {
+    using Traits = fn_traits<decltype(F)>;
+    static_assert(sizeof...(A) == Traits::arity,
+                  "distrpc::rpc_sync/rpc_async/remote<&f>(to, args...): wrong number of "
+                  "arguments for f (see f's signature in the 'required from' line)");
+    static_assert(std::is_invocable_v<decltype(F), A...>,
+                  "distrpc::rpc_sync/rpc_async/remote<&f>(to, args...): an argument does not "
+                  "convert to the type of f's parameter at the same position");
+    static_assert((!is_future_v<std::decay_t<A>> && ...),
+                  "distrpc: a Future cannot be sent as an argument (it is not serializable): pass "
+                  "future.value() instead");
+  }
+}
+
+// What a call of F yields at the caller. Defined (as void) even when F is not a function
+// pointer, so that check_call's readable static_assert fires instead of an overload failure.
+template <auto F, bool = free_function<F>>
+struct call_result {
+  using type = void;
+};
+template <auto F>
+struct call_result<F, true> {
+  using type = unwrap_future_t<typename fn_traits<decltype(F)>::result>;
+};
+template <auto F>
+using call_result_t = typename call_result<F>::type;
+
+// Encodes (header, packed arguments) for `dst` inside the layers' scopes and sends it. What the
+// layers did while encoding (RRefs among the arguments forked to `dst`) is undone if encoding
+// fails or the message is never sent.
+template <class Packed>
+Future<wire::Message> send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+                                  std::chrono::milliseconds timeout, const RequestHeader& header,
+                                  const Packed& packed, const std::string& what) {
+  wire::Message m;
+  std::function<void()> undo = agent->encode_for(dst.id, [&] { wire::encode(m, header, packed); });
+  return agent->call(dst, std::move(m), timeout, header.internal, what, wire::MessageType::Request,
+                     undo);
+}
+
+template <auto F, class... A>
+Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+                                CallOptions opts, bool internal, A&&... args) {
+  ensure_registered<F>();
+  const auto timeout = agent->effective_timeout(opts.timeout);
+  typename fn_traits<decltype(F)>::args packed(std::forward<A>(args)...);
+  RequestHeader h;
+  h.name = std::string(function_name<F>());
+  h.signature = signature_hash<F>();
+  h.internal = internal;
+  return send_packed(agent, dst, timeout, h, packed,
+                     "call to '" + std::string(function_name<F>()) + "'");
+}
+
+}  // namespace detail
+}  // namespace distrpc

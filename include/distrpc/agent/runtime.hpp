@@ -1,0 +1,103 @@
+// The agents a process knows: the one init_rpc() starts (the free functions' default) and the
+// calling thread's current one (detail::tls_current_agent, agent.hpp); and how an agent is
+// started (options checked, rendezvous, the worker table).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "distrpc/agent.hpp"
+#include "distrpc/options.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/rpc_error.hpp"
+#include "distrpc/store/rendezvous.hpp"
+#include "distrpc/worker_info.hpp"
+
+namespace distrpc::detail {
+
+struct Runtime {
+  std::mutex mu;
+  std::shared_ptr<RpcAgent> agent;
+  bool was_shut_down = false;
+  // At exit without shutdown(): stop while the agent is still owned here, so a stop that
+  // abandons a blocked handler can keep the agent alive for it (RpcAgent::stop()).
+  ~Runtime() {
+    if (!agent) return;
+    try {
+      agent->stop(/*sync_exit=*/false, kNoRpcTimeout);
+    } catch (...) {
+      // stop(false) does no store work; nothing to report at exit.
+    }
+  }
+};
+
+inline Runtime& runtime() {
+  static Runtime r;
+  return r;
+}
+
+// The process's agent (init_rpc); throws when there is none.
+inline std::shared_ptr<RpcAgent> runtime_agent() {
+  auto& rt = runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  if (rt.agent) return rt.agent;
+  if (rt.was_shut_down) {
+    throw RpcError(
+        "RPC has not been initialized: the agent was shut down (call distrpc::init_rpc again to "
+        "start a new one)");
+  }
+  throw RpcError(
+      "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling "
+      "`distrpc::init_rpc`)?");
+}
+
+// The agent the free functions use: the one this thread works for (a handler or callback runs
+// for the agent that runs it; RpcGroup::use()), else the process's.
+inline std::shared_ptr<RpcAgent> current_agent() {
+  if (RpcAgent* a = tls_current_agent) {
+    if (auto agent = a->weak_from_this().lock()) return agent;
+  }
+  return runtime_agent();
+}
+
+// Checks the options, meets the group through options.init_method and starts an agent on
+// transport policy T that runs what `registry` holds (null: the process's registry).
+template <class T>
+std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int world_size,
+                                      const RpcBackendOptions& options,
+                                      std::shared_ptr<const Registry> registry) {
+  validate_worker_name(name);
+  if (options.num_worker_threads < 1) {
+    throw std::invalid_argument("num_worker_threads must be >= 1, got " +
+                                std::to_string(options.num_worker_threads));
+  }
+  if (options.rpc_timeout.count() < 0) {
+    throw std::invalid_argument("rpc_timeout must be >= 0 ms (0 means no limit), got " +
+                                std::to_string(options.rpc_timeout.count()) + " ms");
+  }
+  if (options.sync_wait_spin.count() < 0) {
+    throw std::invalid_argument("sync_wait_spin must be >= 0 us (0: never poll), got " +
+                                std::to_string(options.sync_wait_spin.count()) + " us");
+  }
+  if (options.shutdown_grace.count() < 0) {
+    throw std::invalid_argument("shutdown_grace must be >= 0 ms (0: abandon at once), got " +
+                                std::to_string(options.shutdown_grace.count()) + " ms");
+  }
+  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
+  auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size, options,
+                                          std::move(registry));
+  agent->set_store(rdzv.store);
+  try {
+    agent->join_group();
+  } catch (...) {
+    agent->stop(/*sync_exit=*/false, std::chrono::milliseconds(0));
+    throw;
+  }
+  return agent;
+}
+
+}  // namespace distrpc::detail

@@ -1,0 +1,234 @@
+// Agents a program holds (RpcGroup), tested in one process: two workers of one group live side by
+// side, each runs only what its own registry holds (and the library's own functions), a handler
+// calls back through the agent that runs it, use() picks the agent of the free functions and of
+// RRefs, a held agent works beside the process's init_rpc agent, and diagnostics reach the log
+// sink naming the worker. Everything runs on loopback TCP; every wait is bounded.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+
+#include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
+#include <distrpc/transport/tcp.hpp>
+
+using namespace std::chrono_literals;
+using distrpc::RpcGroup;
+using distrpc::transport::Tcp;
+
+namespace group_test {
+
+std::string whoami() {
+  return distrpc::get_worker_info().name;
+}
+// Runs on one worker and calls `to` back with the free function: through the agent running it.
+std::string relay(std::string to) {
+  return distrpc::get_worker_info().name + "->" + distrpc::rpc_sync<&whoami>(to);
+}
+at::Tensor mul(at::Tensor a, at::Tensor b) {
+  return a * b;
+}
+int negate(int x) {
+  return -x;
+}
+int fail_loudly(int x) {
+  throw std::runtime_error("fail_loudly got " + std::to_string(x));
+}
+
+}  // namespace group_test
+
+namespace {
+
+// A fresh file:// rendezvous for one group.
+std::string fresh_url() {
+  static std::atomic<int> n{0};
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("distrpc-group-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+  std::filesystem::create_directories(dir);
+  return "file://" + (dir / "rendezvous").string();
+}
+
+distrpc::RpcBackendOptions options(const std::string& url) {
+  distrpc::RpcBackendOptions o;
+  o.init_method = url;
+  o.rpc_timeout = 20s;
+  o.init_timeout = 20s;
+  return o;
+}
+
+// Joins two workers of one group from this process (the joins meet each other, so they run at
+// once). `ps` serves `ps_registry`, `trainer` serves `trainer_registry`.
+std::pair<RpcGroup, RpcGroup> join_pair(std::shared_ptr<const distrpc::Registry> ps_registry,
+                                        std::shared_ptr<const distrpc::Registry> trainer_registry) {
+  const auto url = fresh_url();
+  auto ps = std::async(std::launch::async, [&] {
+    return RpcGroup::join<Tcp>("ps", 0, 2, options(url), ps_registry);
+  });
+  RpcGroup trainer = RpcGroup::join<Tcp>("trainer", 1, 2, options(url), trainer_registry);
+  REQUIRE(ps.wait_for(30s) == std::future_status::ready);
+  return {ps.get(), trainer};
+}
+
+// Both shut down gracefully, at once (each waits for the other).
+void shutdown_pair(RpcGroup& a, RpcGroup& b) {
+  auto first = std::async(std::launch::async, [&] { a.shutdown(); });
+  b.shutdown();
+  REQUIRE(first.wait_for(30s) == std::future_status::ready);
+  first.get();
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") {
+  auto ps_registry = std::make_shared<distrpc::Registry>();
+  ps_registry->add<&group_test::whoami>();
+  ps_registry->add<&group_test::relay>();
+  ps_registry->add<&group_test::mul>();
+  auto trainer_registry = std::make_shared<distrpc::Registry>();
+  trainer_registry->add<&group_test::whoami>();
+  auto pair = join_pair(ps_registry, trainer_registry);
+  RpcGroup& ps = pair.first;
+  RpcGroup& trainer = pair.second;
+
+  CHECK_FALSE(distrpc::is_initialized());  // no process agent: only the held ones
+  CHECK(ps.get_worker_info().name == "ps");
+  CHECK(trainer.get_worker_info().name == "trainer");
+  CHECK(trainer.get_worker_info("ps").id == 0);
+  CHECK(ps.get_worker_infos().size() == 2);
+
+  // Typed calls, sync and async, and a handler that calls back with the free function: it goes
+  // through the agent running it (ps), to the trainer, whose handler names itself.
+  auto x = at::arange(4, at::kFloat);
+  CHECK(at::equal(trainer.rpc_sync<&group_test::mul>("ps", x, x), x * x));
+  auto f = trainer.rpc_async<&group_test::whoami>(0);
+  CHECK(f.value() == "ps");
+  CHECK(trainer.rpc_sync<&group_test::relay>("ps", std::string("trainer")) == "ps->trainer");
+
+  // What the callee's registry does not hold is refused there, even though this process
+  // registered it elsewhere (the call site registers into the process's registry).
+  const std::string refused =
+      error_of([&] { (void)trainer.rpc_sync<&group_test::negate>("ps", 3); });
+  CHECK(refused.find("function 'group_test::negate' is not registered on WorkerInfo(id=0, "
+                     "name=ps)") != std::string::npos);
+  const std::string refused_back =
+      error_of([&] { (void)ps.rpc_sync<&group_test::mul>("trainer", x, x); });
+  CHECK(refused_back.find("function 'group_test::mul' is not registered on WorkerInfo(id=1, "
+                          "name=trainer)") != std::string::npos);
+
+  // The library's own functions are served whatever the registry: builtin operators.
+  auto sum = trainer.rpc_sync("ps", "aten::add.Tensor", {at::ones({2}), at::ones({2})});
+  CHECK(at::equal(sum.toTensor(), at::full({2}, 2.0f)));
+
+  // The group protocol runs per agent.
+  auto gathered = std::async(std::launch::async, [&] { return ps.all_gather(10); });
+  auto mine = trainer.all_gather(11);
+  REQUIRE(gathered.wait_for(30s) == std::future_status::ready);
+  CHECK(gathered.get() == std::map<std::string, int>{{"ps", 10}, {"trainer", 11}});
+  CHECK(mine == std::map<std::string, int>{{"ps", 10}, {"trainer", 11}});
+
+  // The free functions on this thread have no agent until use() names one.
+  CHECK(error_of([] { (void)distrpc::get_worker_info(); }).find("Current RPC agent is not set") !=
+        std::string::npos);
+  {
+    const auto current = trainer.use();
+    CHECK(distrpc::get_worker_info().name == "trainer");
+    CHECK(distrpc::rpc_sync<&group_test::whoami>("ps") == "ps");
+    // RRefs follow the current agent: the trainer makes one owned by ps and fetches it.
+    auto r = distrpc::remote<&group_test::mul>("ps", x, x);
+    CHECK(r.owner_name() == "ps");
+    CHECK(at::equal(r.to_here(), x * x));
+  }
+  CHECK(error_of([] { (void)distrpc::get_worker_info(); }).find("Current RPC agent is not set") !=
+        std::string::npos);
+
+  shutdown_pair(ps, trainer);
+  CHECK(ps.is_shut_down());
+  const std::string after = error_of([&] { (void)trainer.rpc_sync<&group_test::whoami>("ps"); });
+  CHECK(after ==
+        "RPC has not been initialized: the agent was shut down (RpcGroup::shutdown() was called)");
+  CHECK(error_of([&] { trainer.shutdown(); }) == after);
+}
+
+TEST_CASE("RpcGroup: a held agent beside the process's init_rpc agent") {
+  const auto url = fresh_url();
+  // The process's agent (worker "main") and a held one ("side") form one group of two.
+  auto side = std::async(std::launch::async, [&] {
+    return RpcGroup::join<Tcp>("side", 1, 2, options(url));
+  });
+  distrpc::init_rpc<Tcp>("main", 0, 2, options(url));
+  REQUIRE(side.wait_for(30s) == std::future_status::ready);
+  RpcGroup g = side.get();
+
+  CHECK(distrpc::get_worker_info().name == "main");
+  CHECK(g.get_worker_info().name == "side");
+  CHECK(distrpc::rpc_sync<&group_test::whoami>("side") == "side");
+  CHECK(g.rpc_sync<&group_test::whoami>("main") == "main");
+  CHECK(distrpc::rpc_sync<&group_test::relay>("side", std::string("main")) == "side->main");
+  {
+    const auto current = g.use();  // this thread's free functions go to "side" meanwhile
+    CHECK(distrpc::get_worker_info().name == "side");
+  }
+  CHECK(distrpc::get_worker_info().name == "main");
+
+  auto held = std::async(std::launch::async, [&] { g.shutdown(); });
+  distrpc::shutdown();
+  REQUIRE(held.wait_for(30s) == std::future_status::ready);
+  held.get();
+  CHECK_FALSE(distrpc::is_initialized());
+}
+
+TEST_CASE("Diagnostics go to the log sink, naming the worker; an empty sink restores the default") {
+  struct Line {
+    distrpc::LogLevel level;
+    std::string who, text;
+  };
+  std::mutex mu;
+  std::vector<Line> lines;
+  distrpc::set_log_sink([&](distrpc::LogLevel level, std::string_view who, std::string_view text) {
+    std::lock_guard<std::mutex> lk(mu);
+    lines.push_back({level, std::string(who), std::string(text)});
+  });
+  auto registry = std::make_shared<distrpc::Registry>();
+  registry->add<&group_test::fail_loudly>();
+  auto pair = join_pair(registry, registry);
+  RpcGroup& ps = pair.first;
+  RpcGroup& trainer = pair.second;
+  const std::string error =
+      error_of([&] { (void)trainer.rpc_sync<&group_test::fail_loudly>("ps", 7); });
+  CHECK(error.find("fail_loudly got 7") != std::string::npos);
+  shutdown_pair(ps, trainer);
+  distrpc::set_log_sink(nullptr);
+
+  // The callee logged the handler's error, once, naming itself.
+  std::lock_guard<std::mutex> lk(mu);
+  int found = 0;
+  for (const auto& l : lines) {
+    if (l.who == "ps" && l.text.find("'group_test::fail_loudly' called by worker 1 raised") == 0 &&
+        l.text.find("fail_loudly got 7") != std::string::npos) {
+      CHECK(l.level == distrpc::LogLevel::warning);
+      ++found;
+    }
+  }
+  CHECK(found == 1);
+}
