@@ -320,4 +320,10 @@ inline bool memfd_works() {
   return ::fcntl(fd.get(), F_ADD_SEALS, kRequiredSeals) == 0;
 }
 
+// memfd_works(), probed once per process: it cannot change while the process runs.
+inline bool memfd_usable() {
+  static const bool ok = memfd_works();
+  return ok;
+}
+
 }  // namespace distrpc::transport::shm_detail
