@@ -36,6 +36,7 @@
 
 #include <fcntl.h>
 #include <algorithm>
+#include <atomic>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/post.hpp>
@@ -56,6 +57,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
@@ -758,21 +762,23 @@ class Connection {
   Connection(const std::string& host, int port, bool primary, std::chrono::milliseconds timeout)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
-    std::string last_error = "no attempt made";
-    auto backoff = std::chrono::milliseconds(5);
-    for (;;) {
-      fd_ = try_connect(host, port, deadline, last_error);
-      if (fd_ >= 0) break;
-      if (deadline.expired()) {
-        throw DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
-                               std::to_string(timeout.count()) + " ms (last error: " + last_error +
-                               ")");
-      }
-      auto nap = backoff;
-      if (!deadline.infinite()) nap = std::min(nap, deadline.remaining());
-      std::this_thread::sleep_for(nap);
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
-    }
+    // The server may start later: a refusal is retried like any failure until the deadline (none
+    // with kNoTimeout), and nothing stops the loop early (a store has no shutdown flag).
+    static const std::atomic<bool> kNeverStopped{false};
+    const net::DialTiming timing{.start = deadline.at() - timeout,
+                                 .connect_timeout = timeout,
+                                 .refused_retry = std::chrono::milliseconds::max(),
+                                 .first_backoff = std::chrono::milliseconds(5),
+                                 .max_backoff = std::chrono::milliseconds(200),
+                                 .unbounded = deadline.infinite()};
+    fd_ = net::dial_with_backoff(
+        timing, kNeverStopped,
+        [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure.text); },
+        [&](const net::DialGiveUp& end) {
+          return DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
+                                  std::to_string(timeout.count()) +
+                                  " ms (last error: " + end.last.text + ")");
+        });
     begin_frame(out_, kHello);
     put_le<std::uint32_t>(out_, kMagic);
     put_le<std::uint16_t>(out_, kVersion);
@@ -784,17 +790,13 @@ class Connection {
       }
       r.le<std::uint16_t>("version");
     } catch (const std::exception& e) {
-      ::close(fd_);
-      fd_ = -1;
+      fd_.reset();
       if (dynamic_cast<const DistNetworkError*>(&e)) throw;
       throw DistNetworkError("TCPStore: " + where_ +
                              " did not complete the TCPStore handshake: " + e.what());
     }
   }
 
-  ~Connection() {
-    if (fd_ >= 0) ::close(fd_);
-  }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
@@ -816,8 +818,9 @@ class Connection {
   }
 
  private:
-  static int try_connect(const std::string& host, int port, const Deadline& deadline,
-                         std::string& last_error) {
+  // One attempt per resolved address; nullopt with `last_error` set when none answers.
+  static std::optional<net::Fd> try_connect(const std::string& host, int port,
+                                            const Deadline& deadline, std::string& last_error) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -826,17 +829,19 @@ class Connection {
     const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
     if (rc != 0) {
       last_error = std::string("cannot resolve host: ") + ::gai_strerror(rc);
-      return -1;
+      return std::nullopt;
     }
-    int fd = -1;
-    for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
-      fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-      if (fd < 0) {
-        last_error = std::strerror(errno);
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
+    net::Fd fd;
+    for (addrinfo* a = res; a && !fd; a = a->ai_next) {
+      net::Fd s(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+      if (!s) {
+        last_error = net::errno_text(errno);
         continue;
       }
       int err = 0;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      if (::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) {
         err = errno;
         if (err == EINPROGRESS) {
           // Bounded per attempt so a black-holed address is retried rather than waited on.
@@ -844,33 +849,32 @@ class Connection {
           if (!deadline.infinite()) {
             wait_ms = static_cast<int>(std::min<long>(1000, deadline.remaining().count()));
           }
-          pollfd p{fd, POLLOUT, 0};
+          pollfd p{s.get(), POLLOUT, 0};
           const int pr = ::poll(&p, 1, wait_ms);
           socklen_t len = sizeof err;
           if (pr == 1) {
-            ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &err, &len);
           } else {
             err = pr == 0 ? ETIMEDOUT : errno;
           }
         }
       }
       if (err != 0) {
-        last_error = std::strerror(err);
-        ::close(fd);
-        fd = -1;
+        last_error = net::errno_text(err);
+        continue;  // `s` closes
       }
+      fd = std::move(s);
     }
-    ::freeaddrinfo(res);
-    if (fd < 0) return -1;
+    if (!fd) return std::nullopt;
     // Blocking from here on; the 100 ms socket timeouts only let a blocked call look at its
     // deadline.
-    const int flags = ::fcntl(fd, F_GETFL);
-    ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
     int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     timeval tick{0, 100'000};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof tick);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof tick);
     return fd;
   }
 
@@ -890,7 +894,7 @@ class Connection {
   void send_all(const Deadline& deadline, const Describe& what) {
     std::size_t done = 0;
     while (done < out_.size()) {
-      const ssize_t n = ::send(fd_, out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
       if (n >= 0) {
         done += static_cast<std::size_t>(n);
         continue;
@@ -900,7 +904,7 @@ class Connection {
         if (deadline.expired()) no_answer(what());
         continue;
       }
-      lost(what(), std::strerror(errno));
+      lost(what(), net::errno_text(errno));
     }
   }
 
@@ -921,7 +925,7 @@ class Connection {
         if (have >= need) break;
         if (in_.size() < need) in_.resize(need);
       }
-      const ssize_t n = ::recv(fd_, in_.data() + have, in_.size() - have, 0);
+      const ssize_t n = ::recv(fd_.get(), in_.data() + have, in_.size() - have, 0);
       if (n > 0) {
         have += static_cast<std::size_t>(n);
         continue;
@@ -932,7 +936,7 @@ class Connection {
         if (deadline.expired()) no_answer(what());
         continue;
       }
-      lost(what(), std::strerror(errno));
+      lost(what(), net::errno_text(errno));
     }
     if (have != need) {
       // The server never sends ahead of a request.
@@ -944,7 +948,7 @@ class Connection {
   }
 
   std::string where_;
-  int fd_ = -1;
+  net::Fd fd_;
   Buffer out_;
   Buffer in_;
   std::uint8_t status_ = 0;

@@ -64,12 +64,12 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
-#include "distrpc/transport/detail/dial.hpp"
-#include "distrpc/transport/detail/errno_text.hpp"
-#include "distrpc/transport/detail/fd.hpp"
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
-#include "distrpc/transport/detail/wait_fd.hpp"
+#include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -108,12 +108,12 @@ inline constexpr int kMadvPopulateWrite = 23;
 // A handshake frame is a Hello: name and token are bounded by the wire layer, so this is ample.
 inline constexpr std::uint64_t kMaxHelloFrameBytes = 8 * 1024;
 // Blocking waits on the calling thread wake this often to notice shutdown().
-inline constexpr int kPollSliceMs = detail::kPollSliceMs;
+inline constexpr int kPollSliceMs = net::kPollSliceMs;
 // Keepalive notices a peer whose host vanished (no reset ever comes): about 45 s.
 inline constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 3;
 
-using detail::errno_text;
-using detail::Fd;
+using net::errno_text;
+using net::Fd;
 
 // Handshake frames are refused beyond these before anything is allocated: an unauthenticated
 // connection must not make us reserve the limits meant for data.
@@ -198,7 +198,7 @@ inline void log_drop(const std::string& remote, const std::string& reason) {
                reason.c_str());
 }
 
-using detail::wait_fd;  // distrpc/transport/detail/wait_fd.hpp
+using net::wait_fd;  // distrpc/net/wait_fd.hpp
 
 // Writes every byte of `iov` (consumed in place). The fd may be non-blocking (the reader makes it
 // so for its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.
@@ -773,11 +773,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
       return DistNetworkError("distrpc tcp: cannot connect to " + who + ": " + what);
     };
     const HostPort hp = split_host_port(address);
-    const detail::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
+    const net::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
     // The peer may not listen yet (it is starting up): retried, backing off, until the deadline.
-    Fd fd = detail::dial_with_backoff(
+    Fd fd = net::dial_with_backoff(
         timing, stopping_,
-        [&](detail::DialFailure& failure) -> std::optional<Fd> {
+        [&](net::DialFailure& failure) -> std::optional<Fd> {
           const int raw = try_connect(hp, timing.deadline(), failure.text, failure.err);
           if (raw >= 0) return Fd(raw);
           return std::nullopt;

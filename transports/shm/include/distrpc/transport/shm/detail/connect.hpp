@@ -10,7 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "distrpc/transport/detail/dial.hpp"
+#include "distrpc/net/dial.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 
 #include "distrpc/transport/shm/detail/impl.hpp"
@@ -94,13 +94,13 @@ inline std::shared_ptr<OutConn> Impl::dial(int id, const std::string& name,
   const auto error = [&](const std::string& what) {
     return DistNetworkError("distrpc shm: cannot connect to " + who + ": " + what);
   };
-  const detail::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
+  const net::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
   sockaddr_un sa;
   const socklen_t len = abstract_sockaddr(address, sa);
   // Not listening yet (it is starting up), or its backlog is full: retried until the deadline.
-  Fd s = detail::dial_with_backoff(
+  Fd s = net::dial_with_backoff(
       timing, stopping_,
-      [&](detail::DialFailure& failure) -> std::optional<Fd> {
+      [&](net::DialFailure& failure) -> std::optional<Fd> {
         Fd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
         if (!sock) throw error("socket: " + errno_text(errno));
         if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&sa), len) == 0) return sock;
