@@ -67,7 +67,7 @@ struct Traits<AutoShmTcp> {
   static constexpr bool first_task_runs_inline = Traits<Shm>::first_task_runs_inline;
   static constexpr bool aligned_buffers = Traits<Shm>::aligned_buffers;
   static std::string ghost_address() {
-    namespace ad = distrpc::transport::auto_detail;
+    namespace ad = distrpc::transport::detail;
     return ad::encode_address(
         {{"shm", ad::effective_domain_key<Shm>(3), Traits<Shm>::ghost_address()},
          {"tcp", ad::effective_domain_key<Tcp>(3), Traits<Tcp>::ghost_address()}});

@@ -263,7 +263,7 @@ TEST_CASE("shm: garbage instead of a handshake is refused; the listener lives on
     const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     REQUIRE(fd >= 0);
     sockaddr_un sa;
-    const socklen_t len = distrpc::transport::shm_detail::abstract_sockaddr(a.ctx->address(), sa);
+    const socklen_t len = distrpc::transport::shm::detail::abstract_sockaddr(a.ctx->address(), sa);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) == 0);
     const std::string junk = "GET / HTTP/1.1\r\n\r\n";
     REQUIRE(::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL) ==
@@ -434,9 +434,9 @@ TEST_CASE("shm: a peer SIGKILLed or crashing mid-transfer is lost within 2 s; no
 // -----------------------------------------------------------------------------------
 
 TEST_CASE("auto: addresses round-trip and malformed ones are refused, naming the peer") {
-  using distrpc::transport::auto_detail::decode_address;
-  using distrpc::transport::auto_detail::encode_address;
-  const std::vector<distrpc::transport::auto_detail::Entry> e{
+  using distrpc::transport::detail::decode_address;
+  using distrpc::transport::detail::encode_address;
+  const std::vector<distrpc::transport::detail::Entry> e{
       {"shm", "shm:boot=x;ipc=ipc:[1];net=net:[2]", "distrpc-shm-1-ab"},
       {"tcp", "tcp", "[::1]:80"},
       {"odd", "a=b@c%d e", "x;y"}};
@@ -562,7 +562,7 @@ TEST_CASE("auto: the multi-process case again with shm domains forced apart") {
 
 namespace {
 
-namespace sd = distrpc::transport::shm_detail;
+namespace sd = distrpc::transport::shm::detail;
 namespace wire = distrpc::wire;
 
 // A ring in this process's memory: no memfd, no socket.

@@ -85,7 +85,7 @@ struct TCPStoreOptions {
   std::chrono::milliseconds handshake_timeout{10'000};
 };
 
-namespace detail::tcp {
+namespace detail {
 
 inline constexpr std::uint32_t kMagic = 0x53545244;  // "DRTS"
 inline constexpr std::uint16_t kVersion = 1;
@@ -955,7 +955,7 @@ class Connection {
   bool broken_ = false;
 };
 
-}  // namespace detail::tcp
+}  // namespace detail
 
 class TCPStore : public Store {
  public:
@@ -979,14 +979,14 @@ class TCPStore : public Store {
                       std::to_string(opts_.world_size));
     }
     if (opts_.is_master) {
-      server_ = std::make_unique<detail::tcp::Server>(
+      server_ = std::make_unique<detail::Server>(
           opts_.listen_address.empty() ? opts_.host : opts_.listen_address, opts_.port,
           opts_.handshake_timeout);
       opts_.port = server_->port();
     }
-    name_ = "TCPStore(" + detail::tcp::host_port(opts_.host, opts_.port) + ")";
+    name_ = "TCPStore(" + detail::host_port(opts_.host, opts_.port) + ")";
     idle_.push_back(
-        std::make_unique<detail::tcp::Connection>(opts_.host, opts_.port, true, opts_.timeout));
+        std::make_unique<detail::Connection>(opts_.host, opts_.port, true, opts_.timeout));
     if (opts_.is_master && opts_.wait_for_workers) {
       const int joined = server_->wait_for_clients(opts_.world_size, opts_.timeout);
       if (joined < opts_.world_size) {
@@ -1017,10 +1017,10 @@ class TCPStore : public Store {
     detail::check_key(name_, "set", key);
     detail::check_value(name_, "set", key, value.size());
     roundtrip(
-        detail::tcp::kSet, "set", one_key(key),
+        detail::kSet, "set", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_str(b, value);
+          detail::put_str(b, key);
+          detail::put_str(b, value);
         },
         [](auto&) { return 0; });
   }
@@ -1029,10 +1029,10 @@ class TCPStore : public Store {
     detail::check_key(name_, "get", key);
     const auto timeout = this->timeout();
     return roundtrip(
-        detail::tcp::kGet, "get", one_key(key),
+        detail::kGet, "get", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
+          detail::put_str(b, key);
+          detail::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
         },
         [](auto& r) { return r.bytes("value"); }, timeout);
   }
@@ -1040,10 +1040,10 @@ class TCPStore : public Store {
   std::int64_t add(const std::string& key, std::int64_t delta) override {
     detail::check_key(name_, "add", key);
     return roundtrip(
-        detail::tcp::kAdd, "add", one_key(key),
+        detail::kAdd, "add", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_le<std::int64_t>(b, delta);
+          detail::put_str(b, key);
+          detail::put_le<std::int64_t>(b, delta);
         },
         [](auto& r) { return r.template le<std::int64_t>("counter"); });
   }
@@ -1053,11 +1053,11 @@ class TCPStore : public Store {
     detail::check_value(name_, "compare_set", key, expected.size());
     detail::check_value(name_, "compare_set", key, desired.size());
     return roundtrip(
-        detail::tcp::kCompareSet, "compare_set", one_key(key),
+        detail::kCompareSet, "compare_set", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_str(b, expected);
-          detail::tcp::put_str(b, desired);
+          detail::put_str(b, key);
+          detail::put_str(b, expected);
+          detail::put_str(b, desired);
         },
         [](auto& r) { return r.bytes("value"); });
   }
@@ -1065,7 +1065,7 @@ class TCPStore : public Store {
   bool check(const std::vector<std::string>& keys) override {
     for (const auto& k : keys) detail::check_key(name_, "check", k);
     return roundtrip(
-        detail::tcp::kCheck, "check", [&] { return keys; }, [&](auto& b) { put_keys(b, keys); },
+        detail::kCheck, "check", [&] { return keys; }, [&](auto& b) { put_keys(b, keys); },
         [](auto& r) { return r.u8("flag") != 0; });
   }
 
@@ -1073,10 +1073,10 @@ class TCPStore : public Store {
     for (const auto& k : keys) detail::check_key(name_, "wait", k);
     if (keys.empty()) return;
     roundtrip(
-        detail::tcp::kWait, "wait", [&] { return keys; },
+        detail::kWait, "wait", [&] { return keys; },
         [&](auto& b) {
           put_keys(b, keys);
-          detail::tcp::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
+          detail::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
         },
         [](auto&) { return 0; }, timeout);
   }
@@ -1084,13 +1084,13 @@ class TCPStore : public Store {
   bool delete_key(const std::string& key) override {
     detail::check_key(name_, "delete_key", key);
     return roundtrip(
-        detail::tcp::kDelete, "delete_key", one_key(key),
-        [&](auto& b) { detail::tcp::put_str(b, key); }, [](auto& r) { return r.u8("flag") != 0; });
+        detail::kDelete, "delete_key", one_key(key), [&](auto& b) { detail::put_str(b, key); },
+        [](auto& r) { return r.u8("flag") != 0; });
   }
 
   std::int64_t num_keys() override {
     return roundtrip(
-        detail::tcp::kNumKeys, "num_keys", [] { return std::vector<std::string>{}; }, [](auto&) {},
+        detail::kNumKeys, "num_keys", [] { return std::vector<std::string>{}; }, [](auto&) {},
         [](auto& r) { return r.template le<std::int64_t>("count"); });
   }
 
@@ -1114,13 +1114,13 @@ class TCPStore : public Store {
   };
   static OneKey one_key(const std::string& key) { return OneKey{key}; }
 
-  static void put_keys(detail::tcp::Buffer& b, const std::vector<std::string>& keys) {
-    detail::tcp::put_le<std::uint32_t>(b, static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) detail::tcp::put_str(b, k);
+  static void put_keys(detail::Buffer& b, const std::vector<std::string>& keys) {
+    detail::put_le<std::uint32_t>(b, static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) detail::put_str(b, k);
   }
 
   // Takes an idle connection, or opens another when every one is busy in another thread.
-  std::unique_ptr<detail::tcp::Connection> acquire() {
+  std::unique_ptr<detail::Connection> acquire() {
     {
       std::lock_guard lock(mu_);
       if (!lost_.empty()) throw DistNetworkError(lost_);
@@ -1130,10 +1130,10 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return std::make_unique<detail::tcp::Connection>(opts_.host, opts_.port, false, timeout());
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, false, timeout());
   }
 
-  void release(std::unique_ptr<detail::tcp::Connection> c) {
+  void release(std::unique_ptr<detail::Connection> c) {
     if (c->broken()) return;
     std::lock_guard lock(mu_);
     idle_.push_back(std::move(c));
@@ -1145,14 +1145,14 @@ class TCPStore : public Store {
   template <class Keys, class Encode, class Decode>
   auto roundtrip(std::uint8_t op, const char* what, const Keys& keys, const Encode& encode,
                  const Decode& decode, std::optional<milliseconds> blocking_timeout = std::nullopt)
-      -> std::invoke_result_t<const Decode&, detail::tcp::Reader&> {
+      -> std::invoke_result_t<const Decode&, detail::Reader&> {
     const milliseconds limit = blocking_timeout.value_or(timeout());
     // kNoTimeout stays "no limit"; otherwise leave the server time to send its own timeout reply.
     const detail::Deadline deadline(limit <= kNoTimeout ? kNoTimeout
-                                                        : limit + detail::tcp::kClientGrace);
+                                                        : limit + detail::kClientGrace);
     auto conn = acquire();
-    detail::tcp::Buffer& b = conn->out();
-    detail::tcp::begin_frame(b, op);
+    detail::Buffer& b = conn->out();
+    detail::begin_frame(b, op);
     encode(b);
     auto describe = [&] {
       return std::string(what) + " " + detail::quote_keys(keys()) + " on " + name_ + " (timeout " +
@@ -1161,29 +1161,29 @@ class TCPStore : public Store {
     try {
       auto r = conn->call(deadline, describe);
       const std::uint8_t st = conn->status();
-      if (st == detail::tcp::kOk) {
+      if (st == detail::kOk) {
         auto result = decode(r);
         r.finish();
         release(std::move(conn));
         return result;
       }
-      if (st == detail::tcp::kTimeout) {
+      if (st == detail::kTimeout) {
         auto missing = r.strs("missing key");
         r.finish();
         release(std::move(conn));
         throw StoreTimeoutError(detail::timeout_text(name_, what, keys(), missing, limit));
       }
-      if (st == detail::tcp::kError) {
+      if (st == detail::kError) {
         auto text = r.str("error text");
         release(std::move(conn));
         throw DistStoreError(name_ + ": " + what + " refused by the server: " + text);
       }
-      throw detail::tcp::WireError("unknown reply status " + std::to_string(st));
-    } catch (const detail::tcp::ConnectionLost& e) {
+      throw detail::WireError("unknown reply status " + std::to_string(st));
+    } catch (const detail::ConnectionLost& e) {
       std::lock_guard lock(mu_);
       lost_ = e.what();
       throw;
-    } catch (const detail::tcp::WireError& e) {
+    } catch (const detail::WireError& e) {
       // `conn` is dropped here: its position in the stream can no longer be trusted.
       throw DistNetworkError(name_ + ": malformed reply to " + describe() + ": " + e.what());
     }
@@ -1191,9 +1191,9 @@ class TCPStore : public Store {
 
   TCPStoreOptions opts_;
   std::string name_;
-  std::unique_ptr<detail::tcp::Server> server_;
+  std::unique_ptr<detail::Server> server_;
   std::mutex mu_;  // guards idle_ and lost_
-  std::vector<std::unique_ptr<detail::tcp::Connection>> idle_;
+  std::vector<std::unique_ptr<detail::Connection>> idle_;
   std::string lost_;  // why the server connection was lost; later operations fail fast with it
 };
 

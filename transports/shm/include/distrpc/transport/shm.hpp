@@ -20,7 +20,7 @@
 // a record that comes meanwhile wakes the other thread to read it. A caller waiting for a reply
 // may read it itself (drive()). Details in shm/detail/lead.hpp.
 //
-// This header is the policy's interface; the implementation (namespace shm_detail) is in
+// This header is the policy's interface; the implementation (namespace shm::detail) is in
 // shm/detail/: impl.hpp lists it and the headers beside it hold one part each.
 #pragma once
 
@@ -46,15 +46,15 @@ namespace distrpc::transport {
 struct Shm {
   static constexpr std::string_view name = "shm";
   // Linux with working sealed memfds (the only thing that can be missing: old kernels, seccomp).
-  static bool viable() { return shm_detail::memfd_usable(); }
+  static bool viable() { return shm::detail::memfd_usable(); }
   // Boot id and the IPC and network namespaces: peers with equal keys share a kernel and can reach
   // each other's abstract sockets.
-  static std::string domain_key() { return shm_detail::host_domain_key(); }
+  static std::string domain_key() { return shm::detail::host_domain_key(); }
   class Context;
 };
 
 // Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
-// (The member functions only forward to shm_detail::Impl; they follow the declaration.)
+// (The member functions only forward to shm::detail::Impl; they follow the declaration.)
 class Shm::Context {
  public:
   // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
@@ -88,13 +88,13 @@ class Shm::Context {
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
 
  private:
-  std::shared_ptr<shm_detail::Impl> impl_;
+  std::shared_ptr<shm::detail::Impl> impl_;
 };
 
 // ---- Shm::Context: forwards to the implementation ---------------------------------------------
 
 inline Shm::Context::Context(const TransportOptions& options, TransportCallbacks callbacks)
-    : impl_(std::make_shared<shm_detail::Impl>(options, std::move(callbacks))) {
+    : impl_(std::make_shared<shm::detail::Impl>(options, std::move(callbacks))) {
   impl_->start();
 }
 inline Shm::Context::~Context() {

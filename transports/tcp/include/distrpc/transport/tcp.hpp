@@ -87,7 +87,7 @@ struct Tcp {
   class Context;
 };
 
-namespace tcp_detail {
+namespace tcp::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -339,7 +339,7 @@ struct Peer {
   std::shared_ptr<Connection> out;
   // A handshaken connection broke: sends fail fast until add_peer(); with the generation guard
   // (a late hang-up of the old pair must not mark a fresh registration lost).
-  detail::PeerLiveness liveness;
+  transport::detail::PeerLiveness liveness;
 
   std::string describe_locked() const {
     return "worker " + std::to_string(id) + " ('" + name + "')" +
@@ -442,7 +442,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw wire::EncodeError("distrpc tcp: refusing to send to worker " + std::to_string(peer) +
                               ": " + e.what());
     }
-    write_frame(*connection_to(peer), m);
+    write_message(*connection_to(peer), m);
   }
 
   // Returns how many reading threads it abandoned: still running a handed-back task (a request
@@ -872,7 +872,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw error(e.what());
     }
     if (const std::string wrong =
-            detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
+            transport::detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
         !wrong.empty()) {
       throw error(wrong);
     }
@@ -891,7 +891,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
 
   // ---- sending (calling thread) --------------------------------------------------------------
 
-  void write_frame(Connection& c, const wire::Message& m) {
+  void write_message(Connection& c, const wire::Message& m) {
     std::lock_guard<std::mutex> lk(c.write_mu);
     if (c.closed.load()) {
       if (stopping_.load()) {
@@ -1282,7 +1282,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<int> inline_running_{0};  // reading threads now running a handed-back task
 };
 
-}  // namespace tcp_detail
+}  // namespace tcp::detail
 
 // Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it.
 class Tcp::Context {
@@ -1290,7 +1290,7 @@ class Tcp::Context {
   // Listens on options.listen_host (port 0) and starts the listener and reading threads.
   // Throws DistNetworkError when it cannot listen.
   Context(const TransportOptions& options, TransportCallbacks callbacks)
-      : impl_(std::make_shared<tcp_detail::Impl>(options, std::move(callbacks))) {
+      : impl_(std::make_shared<tcp::detail::Impl>(options, std::move(callbacks))) {
     impl_->start();
   }
   ~Context() { shutdown(); }
@@ -1327,7 +1327,7 @@ class Tcp::Context {
   }
 
  private:
-  std::shared_ptr<tcp_detail::Impl> impl_;
+  std::shared_ptr<tcp::detail::Impl> impl_;
 };
 
 static_assert(check_transport<Tcp>());

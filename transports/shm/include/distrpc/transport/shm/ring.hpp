@@ -25,7 +25,7 @@
 
 #include "distrpc/transport/shm/system.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline constexpr std::uint64_t kRingMagic = 0x474e495248535244ull;  // "DRSHRING"
 inline constexpr std::uint32_t kRingVersion = 1;
@@ -244,4 +244,4 @@ class RingReader : public RingBase {
   std::uint64_t last_tail_ = 0;
 };
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

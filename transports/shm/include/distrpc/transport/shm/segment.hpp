@@ -29,7 +29,7 @@
 
 #include "distrpc/transport/shm/system.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline constexpr std::uint64_t kSegmentMagic = 0x4745534d48535244ull;  // "DRSHMSEG"
 inline constexpr std::size_t kSegmentHeaderBytes = 4096;
@@ -247,4 +247,4 @@ inline std::shared_ptr<RecvSegment> receive_announced_segment(int sock, std::uin
   return adopt_segment(pkt.fds[0].get(), id, sp.capacity, max_bytes);
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

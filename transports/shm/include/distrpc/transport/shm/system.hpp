@@ -36,7 +36,7 @@
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/wire/errors.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -326,4 +326,4 @@ inline bool memfd_usable() {
   return ok;
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

@@ -15,7 +15,7 @@
 
 #include "distrpc/transport/shm/detail/impl.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline std::shared_ptr<OutConn> Impl::connection_to(int id) {
   auto p = find_peer(id);
@@ -153,7 +153,7 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
     throw error(e.what());
   }
   if (const std::string wrong =
-          detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
+          transport::detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
       !wrong.empty()) {
     throw error(wrong);
   }
@@ -193,4 +193,4 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
   return c;
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

@@ -19,7 +19,7 @@
 #include "distrpc/wire/handshake.hpp"
 #include "distrpc/wire/message.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 // A connection this process opened: it writes the ring. Shared by the calling threads (writes,
 // under write_mu) and the I/O thread (watches the socket for a hang-up). The socket is closed only
@@ -129,7 +129,7 @@ struct Peer {
   std::shared_ptr<OutConn> out;
   // A connection broke: sends fail fast until add_peer(); with the generation guard (a late
   // hang-up of the old pair must not mark a fresh registration lost).
-  detail::PeerLiveness liveness;
+  transport::detail::PeerLiveness liveness;
 
   std::string describe_locked() const {
     return "worker " + std::to_string(id) + " ('" + name + "')" +
@@ -146,4 +146,4 @@ struct PendingHandshake {
   wire::Hello hello;
 };
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

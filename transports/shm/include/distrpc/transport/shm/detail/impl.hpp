@@ -39,7 +39,7 @@
 #include "distrpc/wire/handshake.hpp"
 #include "distrpc/wire/message.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 class Impl : public std::enable_shared_from_this<Impl> {
  public:
@@ -267,8 +267,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::uint64_t token_of(const std::shared_ptr<InConn>& c) const;
   bool service(std::shared_ptr<InConn> cp, InlineScope& scope);
   void deliver(InConn& c, wire::Message&& m);
-  void drop_in(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
-  void lose_in(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
+  void drop(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
+  void lose(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
   void report_lost(int peer, const OutConn* out, std::uint64_t generation,
                    const std::string& reason);
 
@@ -317,4 +317,4 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<Clock::rep> task_started_{0};                         // when running_task_ began
 };
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

@@ -35,7 +35,7 @@
 
 #include "distrpc/transport/shm/detail/impl.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 // One I/O thread.
 inline void Impl::io_main() {
@@ -314,4 +314,4 @@ inline void Impl::drive(const std::function<bool()>& done,
   settle(lead);
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

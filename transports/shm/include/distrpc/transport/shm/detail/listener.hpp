@@ -19,7 +19,7 @@
 
 #include "distrpc/transport/shm/detail/impl.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline void Impl::listen() {
   std::random_device rd;
@@ -220,4 +220,4 @@ inline void Impl::adopt_incoming(PendingHandshake& h, Packet& pkt) {
   signal_eventfd(wake_efd_.get());
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

@@ -18,7 +18,7 @@
 #include "distrpc/wire/handshake.hpp"
 #include "distrpc/wire/message.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 // Data bytes of each connection's ring. Small messages need little; larger ones stream through.
 inline constexpr std::uint64_t kDefaultRingCapacity = std::uint64_t{2} << 20;
@@ -99,4 +99,4 @@ inline std::string peer_credentials(int fd) {
   return "pid " + std::to_string(cred.pid);
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

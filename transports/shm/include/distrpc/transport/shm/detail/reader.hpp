@@ -14,7 +14,7 @@
 
 #include "distrpc/transport/shm/detail/impl.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline void Impl::apply_changes() {
   std::vector<std::shared_ptr<InConn>> ins;
@@ -86,10 +86,10 @@ inline void Impl::on_in_socket(std::shared_ptr<InConn> c, std::uint64_t token,
   }
   if (stopping_.load()) return;
   if (!is_in_watched(token)) return;  // service() dropped it already
-  lose_in(c, token,
-          c->mid_record() ? "connection closed by peer in the middle of a message (its process "
-                            "exited or was killed)"
-                          : "connection closed by peer");
+  lose(c, token,
+       c->mid_record() ? "connection closed by peer in the middle of a message (its process "
+                         "exited or was killed)"
+                       : "connection closed by peer");
 }
 
 inline void Impl::on_out_socket(const std::shared_ptr<OutConn>& c, std::uint64_t token,
@@ -146,7 +146,7 @@ inline bool Impl::service(std::shared_ptr<InConn> cp, InlineScope& scope) {
     }
     if (c.reader.release()) signal_eventfd(c.space_efd.get());
   } catch (const std::exception& e) {
-    drop_in(cp, token_of(cp), e.what());
+    drop(cp, token_of(cp), e.what());
   }
   return progress;
 }
@@ -163,15 +163,13 @@ inline void Impl::deliver(InConn& c, wire::Message&& m) {
 }
 
 // A protocol violation or corrupted shared memory: logged, then handled like any other loss.
-inline void Impl::drop_in(std::shared_ptr<InConn> c, std::uint64_t token,
-                          const std::string& reason) {
+inline void Impl::drop(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason) {
   if (stopping_.load()) return;
   log_drop(c->remote, c->describe() + ": " + reason);
-  lose_in(c, token, reason);
+  lose(c, token, reason);
 }
 
-inline void Impl::lose_in(std::shared_ptr<InConn> c, std::uint64_t token,
-                          const std::string& reason) {
+inline void Impl::lose(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason) {
   if (!is_in_watched(token)) return;
   unwatch(token, c->sock.get());
   ins_.erase(std::remove(ins_.begin(), ins_.end(), c), ins_.end());
@@ -205,4 +203,4 @@ inline void Impl::report_lost(int peer, const OutConn* out, std::uint64_t genera
   }
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

@@ -37,7 +37,7 @@
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/message.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 // Every ring record starts with this (then, for a message: the wire frame header, the placement
 // table, the payload and the inline buffers).
@@ -293,4 +293,4 @@ class RecordParser {
   std::map<std::uint32_t, std::shared_ptr<RecvSegment>> segments_;
 };
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

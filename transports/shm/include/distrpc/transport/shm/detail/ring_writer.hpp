@@ -13,7 +13,7 @@
 
 #include "distrpc/transport/shm/detail/impl.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline void Impl::write_message(OutConn& c, const wire::Message& m) {
   std::lock_guard<std::mutex> lk(c.write_mu);
@@ -126,4 +126,4 @@ inline void Impl::wait_for_space(OutConn& c) {
   c.writer.clear_sleeping();
 }
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail
