@@ -19,7 +19,7 @@
 // A client sends one request per connection at a time. The server answers GET and WAIT when the
 // keys appear (waiter lists, no polling) or when their timeout passes. Anything malformed (bad
 // length, unknown opcode, a field running past its frame, bytes after the last field, a request
-// while one is pending, EOF inside a frame) closes that connection only, with one line on stderr.
+// while one is pending, EOF inside a frame) closes that connection only, with one line logged.
 //
 // Threads: server state is touched only by the I/O thread. A client object keeps a small pool of
 // connections so that threads sharing it do not queue behind one another's blocking get(); the
@@ -57,6 +57,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "distrpc/log.hpp"
 #include "distrpc/net/dial.hpp"
 #include "distrpc/net/errno_text.hpp"
 #include "distrpc/net/fd.hpp"
@@ -256,8 +257,8 @@ class Server {
           io_.run();
           return;
         } catch (const std::exception& e) {
-          std::fprintf(stderr, "[distrpc] %s: unexpected error in the I/O thread: %s\n",
-                       name_.c_str(), e.what());
+          distrpc::detail::log_error(
+              name_, std::string("unexpected error in the I/O thread: ") + e.what());
         }
       }
     });
@@ -428,8 +429,8 @@ class Server {
     // Logs why, once, then closes.
     void fail(const std::string& reason) {
       if (closed) return;
-      std::fprintf(stderr, "[distrpc] %s: closing the connection from %s: %s\n",
-                   server.name_.c_str(), peer.c_str(), reason.c_str());
+      distrpc::detail::log_warning(server.name_,
+                                   "closing the connection from " + peer + ": " + reason);
       close();
     }
 
@@ -468,8 +469,7 @@ class Server {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
       if (ec) {
         // Out of descriptors, usually: say so, and try again shortly rather than spin.
-        std::fprintf(stderr, "[distrpc] %s: accept failed: %s\n", name_.c_str(),
-                     ec.message().c_str());
+        distrpc::detail::log_warning(name_, "accept failed: " + ec.message());
         auto t = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(50));
         t->async_wait([this, t](asio::error_code e) {
           if (!e) accept_next();

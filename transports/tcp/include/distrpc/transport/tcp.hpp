@@ -46,7 +46,6 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -64,12 +63,13 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
+#include "distrpc/log.hpp"
 #include "distrpc/net/dial.hpp"
 #include "distrpc/net/errno_text.hpp"
 #include "distrpc/net/fd.hpp"
+#include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
-#include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -191,11 +191,6 @@ inline void prefault(void* data, std::size_t size) {
   void* p = reinterpret_cast<void*>(begin);
   ::madvise(p, end - begin, MADV_HUGEPAGE);
   ::madvise(p, end - begin, kMadvPopulateWrite);
-}
-
-inline void log_drop(const std::string& remote, const std::string& reason) {
-  std::fprintf(stderr, "distrpc tcp: dropping connection from %s: %s\n", remote.c_str(),
-               reason.c_str());
 }
 
 using net::wait_fd;  // distrpc/net/wait_fd.hpp
@@ -490,6 +485,18 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
   }
 
+  // Who this transport's diagnostics name (distrpc/log.hpp): the worker, by name when it has one.
+  std::string log_who() const {
+    return options_.self_name.empty() ? "worker " + std::to_string(options_.self_id)
+                                      : options_.self_name;
+  }
+
+  // A connection refused or closed for what the peer did (one line; the listener goes on).
+  void log_drop(const std::string& remote, const std::string& reason) const {
+    distrpc::detail::log_warning(log_who(),
+                                 "tcp: dropping connection from " + remote + ": " + reason);
+  }
+
   wire::Hello my_hello() const {
     wire::Hello h;
     h.protocol_version = wire::kProtocolVersion;
@@ -586,8 +593,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (stopping_.load() || ec == asio::error::operation_aborted) return;
       if (ec) {
         // EMFILE and friends: keep serving, without spinning on the error.
-        std::fprintf(stderr, "distrpc tcp: %s: accept on %s failed: %s (retrying)\n",
-                     self_text().c_str(), address_.c_str(), ec.message().c_str());
+        distrpc::detail::log_warning(
+            log_who(), "tcp: accept on " + address_ + " failed: " + ec.message() + " (retrying)");
         accept_retry_.expires_after(std::chrono::milliseconds(100));
         accept_retry_.async_wait([this](const asio::error_code& tec) {
           if (!tec && !stopping_.load()) accept_next();
@@ -949,8 +956,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (stopping_.load()) return;
       if (n < 0) {
         if (errno == EINTR) continue;
-        std::fprintf(stderr, "distrpc tcp: %s: epoll_wait failed: %s\n", self_text().c_str(),
-                     errno_text(errno).c_str());
+        distrpc::detail::log_error(log_who(), "tcp: epoll_wait failed: " + errno_text(errno));
         return;
       }
       if (n == 0 || ev.data.u64 == 0) continue;
@@ -959,8 +965,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
           on_readable(c);
         } catch (const std::exception& e) {
           // Handlers catch what they expect; anything else must not take the thread down.
-          std::fprintf(stderr, "distrpc tcp: %s: unexpected error while reading from %s: %s\n",
-                       self_text().c_str(), c->describe().c_str(), e.what());
+          distrpc::detail::log_error(log_who(), "tcp: unexpected error while reading from " +
+                                                    c->describe() + ": " + e.what());
         }
       }
     }
@@ -1000,8 +1006,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         try {
           on_readable(c, /*run_inline=*/false);
         } catch (const std::exception& e) {
-          std::fprintf(stderr, "distrpc tcp: %s: unexpected error while reading from %s: %s\n",
-                       self_text().c_str(), c->describe().c_str(), e.what());
+          distrpc::detail::log_error(log_who(), "tcp: unexpected error while reading from " +
+                                                    c->describe() + ": " + e.what());
         }
       }
     }
@@ -1163,8 +1169,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       callbacks_.on_message(c->peer, std::move(m));
     } catch (const std::exception& e) {
       // The owner's bug, not the peer's: the connection stays.
-      std::fprintf(stderr, "distrpc tcp: on_message for a message from %s threw: %s\n",
-                   c->describe().c_str(), e.what());
+      distrpc::detail::log_error(
+          log_who(), "tcp: on_message for a message from " + c->describe() + " threw: " + e.what());
     }
   }
 
@@ -1235,8 +1241,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     try {
       callbacks_.on_peer_lost(c->peer, reason);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "distrpc tcp: on_peer_lost for %s threw: %s\n", c->describe().c_str(),
-                   e.what());
+      distrpc::detail::log_error(log_who(),
+                                 "tcp: on_peer_lost for " + c->describe() + " threw: " + e.what());
     }
   }
 
@@ -1249,8 +1255,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         return;
       } catch (const std::exception& e) {
         // Handlers catch what they expect; anything else must not take the thread down silently.
-        std::fprintf(stderr, "distrpc tcp: %s: unexpected error on thread %s: %s\n",
-                     self_text().c_str(), thread_name, e.what());
+        distrpc::detail::log_error(log_who(), std::string("tcp: unexpected error on thread ") +
+                                                  thread_name + ": " + e.what());
       }
     }
   }

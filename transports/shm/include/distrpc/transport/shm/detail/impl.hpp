@@ -16,7 +16,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,6 +30,7 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
+#include "distrpc/log.hpp"
 #include "distrpc/transport/shm/detail/connection.hpp"
 #include "distrpc/transport/shm/detail/protocol.hpp"
 #include "distrpc/transport/shm/system.hpp"
@@ -160,6 +160,18 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
   }
 
+  // Who this transport's diagnostics name (distrpc/log.hpp): the worker, by name when it has one.
+  std::string log_who() const {
+    return options_.self_name.empty() ? "worker " + std::to_string(options_.self_id)
+                                      : options_.self_name;
+  }
+
+  // A connection refused or closed for what the peer did (one line; the listener goes on).
+  void log_drop(const std::string& remote, const std::string& reason) const {
+    distrpc::detail::log_warning(log_who(),
+                                 "shm: dropping connection from " + remote + ": " + reason);
+  }
+
   wire::Hello my_hello() const {
     wire::Hello h;
     h.protocol_version = wire::kProtocolVersion;
@@ -201,8 +213,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         return;
       } catch (const std::exception& e) {
         // Handlers catch what they expect; anything else must not take the thread down silently.
-        std::fprintf(stderr, "distrpc shm: %s: unexpected error on thread %s: %s\n",
-                     self_text().c_str(), thread_name, e.what());
+        distrpc::detail::log_error(log_who(), std::string("shm: unexpected error on thread ") +
+                                                  thread_name + ": " + e.what());
         if (stopping_.load()) return;
       }
     }

@@ -98,8 +98,8 @@ inline void Impl::listener_loop() {
           if (errno == EINTR) continue;
           if (errno != EAGAIN && errno != EWOULDBLOCK) {
             // EMFILE and friends: keep serving, without spinning on the error.
-            std::fprintf(stderr, "distrpc shm: %s: accept on %s failed: %s (retrying)\n",
-                         self_text().c_str(), address_.c_str(), errno_text(errno).c_str());
+            distrpc::detail::log_warning(log_who(), "shm: accept on " + address_ + " failed: " +
+                                                        errno_text(errno) + " (retrying)");
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
           }
           break;

@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -85,11 +84,6 @@ inline wire::Hello parse_hello_packet(const std::string& data) {
   }
   std::memcpy(m.payload.data(), data.data() + used, m.payload.size());
   return wire::decode_hello(m);
-}
-
-inline void log_drop(const std::string& remote, const std::string& reason) {
-  std::fprintf(stderr, "distrpc shm: dropping connection from %s: %s\n", remote.c_str(),
-               reason.c_str());
 }
 
 inline std::string peer_credentials(int fd) {

@@ -6,7 +6,6 @@
 #include <sys/epoll.h>
 #include <algorithm>
 #include <array>
-#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -157,8 +156,8 @@ inline void Impl::deliver(InConn& c, wire::Message&& m) {
     callbacks_.on_message(c.peer, std::move(m));
   } catch (const std::exception& e) {
     // The owner's bug, not the peer's: the connection stays.
-    std::fprintf(stderr, "distrpc shm: on_message for a message from %s threw: %s\n",
-                 c.describe().c_str(), e.what());
+    distrpc::detail::log_error(
+        log_who(), "shm: on_message for a message from " + c.describe() + " threw: " + e.what());
   }
 }
 
@@ -199,7 +198,8 @@ inline void Impl::report_lost(int peer, const OutConn* out, std::uint64_t genera
   try {
     callbacks_.on_peer_lost(peer, reason);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "distrpc shm: on_peer_lost for worker %d threw: %s\n", peer, e.what());
+    distrpc::detail::log_error(
+        log_who(), "shm: on_peer_lost for worker " + std::to_string(peer) + " threw: " + e.what());
   }
 }
 
