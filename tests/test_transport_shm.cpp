@@ -797,3 +797,18 @@ TEST_CASE("shm records: a corrupted record header is an error naming what was wr
   // A good record still parses after all this (the helpers above are not what fails).
   CHECK(parse_error(good).empty());
 }
+
+TEST_CASE(
+    "shm records: a ring header the peer corrupted is a ProtocolError, as every transport's") {
+  MemRing ring(sd::kMinRingCapacity);
+  CHECK(ring.reader.available() == 0);
+  std::memset(ring.mem.get(), 0x5a, 8);  // the magic
+  try {
+    (void)ring.reader.available();
+    FAIL("a corrupted ring header went unnoticed");
+  } catch (const wire::ProtocolError& e) {
+    CHECK(std::string(e.what()).rfind(
+              "the shared ring header is corrupted (magic 0x5a5a5a5a5a5a5a5a", 0) == 0);
+  }
+  CHECK_THROWS_AS(ring.writer.free_space(), sd::RingCorrupt);
+}
