@@ -17,15 +17,18 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include <doctest/doctest.h>
 
+#include "distrpc/log.hpp"
 #include "distrpc/store.hpp"
 #include "multiprocess.hpp"
 
@@ -1178,4 +1181,49 @@ TEST_CASE("finalize_rendezvous: rank 0 waits for every rank, and times out sayin
       [&] { ds::finalize_rendezvous(alone, 0, 2, 100ms, "lonely"); });
   CHECK(contains(text, "Timeout after 100 ms"));
   CHECK(contains(text, "1 done"));
+}
+
+TEST_CASE("log: set_log_sink receives a store's diagnostic; an empty sink restores stderr") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  const int port = master.port();
+  struct Line {
+    distrpc::LogLevel level;
+    std::string who, text;
+  };
+  std::mutex mu;
+  std::vector<Line> lines;
+  // Restores the default even when a check below throws: the sink refers to this test's locals.
+  struct ResetSink {
+    ~ResetSink() { distrpc::set_log_sink(nullptr); }
+  } reset;
+  distrpc::set_log_sink([&](distrpc::LogLevel level, std::string_view who, std::string_view text) {
+    std::lock_guard<std::mutex> lk(mu);
+    lines.push_back({level, std::string(who), std::string(text)});
+  });
+  const std::string who = "TCPStore server 127.0.0.1:" + std::to_string(port);
+  const auto hostile_connection = [&] {
+    RawSocket raw(port);
+    raw.send(le32(0xffffffffu));
+    CHECK(raw.closed_by_peer());  // the server logs before it closes
+  };
+
+  StderrCapture err;
+  hostile_connection();
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    REQUIRE(lines.size() == 1);
+    CHECK(lines[0].level == distrpc::LogLevel::warning);
+    CHECK(lines[0].who == who);
+    CHECK(lines[0].text.rfind("closing the connection from 127.0.0.1:", 0) == 0);
+    CHECK(count_of(lines[0].text, "frame length 4294967295 is outside") == 1);
+    CHECK(lines[0].text.find('\n') == std::string::npos);
+  }
+  CHECK(count_of(err.text(), "frame length") == 0);  // the sink took it instead of stderr
+
+  distrpc::set_log_sink(nullptr);
+  hostile_connection();
+  CHECK(count_of(err.text(), "[distrpc] " + who + ": closing the connection from 127.0.0.1:") == 1);
+  CHECK(count_of(err.text(), "frame length 4294967295 is outside") == 1);
+  std::lock_guard<std::mutex> lk(mu);
+  CHECK(lines.size() == 1);  // the sink set before got nothing more
 }

@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <typeinfo>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -30,6 +31,7 @@
 #include "distrpc/transport/auto.hpp"
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"
+#include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/message.hpp"
 #include "multiprocess.hpp"
 #include "support/transport_test_util.hpp"
@@ -67,7 +69,7 @@ struct Traits<AutoShmTcp> {
   static constexpr bool first_task_runs_inline = Traits<Shm>::first_task_runs_inline;
   static constexpr bool aligned_buffers = Traits<Shm>::aligned_buffers;
   static std::string ghost_address() {
-    namespace ad = distrpc::transport::auto_detail;
+    namespace ad = distrpc::transport::detail;
     return ad::encode_address(
         {{"shm", ad::effective_domain_key<Shm>(3), Traits<Shm>::ghost_address()},
          {"tcp", ad::effective_domain_key<Tcp>(3), Traits<Tcp>::ghost_address()}});
@@ -527,6 +529,54 @@ void oversize_refused_scenario() {
   CHECK(b.inbox.lost.empty());
 }
 
+// One exception type per failure kind, whatever the policy: callers (the agent) catch by type.
+// Exact types: a bad argument, an unknown or unreachable peer and a stopped transport are
+// DistNetworkError (and not a ProtocolError, which means the peer broke the protocol); an
+// oversized message is wire::EncodeError (nothing was sent, the connection is fine).
+template <class E, class Fn>
+std::string thrown_exactly(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    CHECK_MESSAGE(typeid(e) == typeid(E), "threw " << typeid(e).name() << ": " << e.what());
+    return e.what();
+  }
+  FAIL_CHECK("nothing was thrown");
+  return {};
+}
+
+template <class P>
+void failure_types_scenario() {
+  TransportOptions o = options_for(0, "", 300ms);
+  o.limits.max_message_bytes = 1 << 20;
+  NodeOf<P> a(o), b(1);
+  introduce(a, 0, b, 1);
+  CHECK(contains(
+      thrown_exactly<DistNetworkError>([&] { a.ctx->add_peer(-1, "neg", b.ctx->address()); }),
+      "negative"));
+  CHECK(contains(
+      thrown_exactly<DistNetworkError>([&] { a.ctx->add_peer(4, "w4", "not an address"); }),
+      "'not an address'"));
+  CHECK(contains(thrown_exactly<DistNetworkError>(
+                     [&] { a.ctx->send(5, make_message(MessageType::Request, 1, "x")); }),
+                 "worker 5"));
+  a.ctx->add_peer(3, "ghost", Traits<P>::ghost_address());
+  CHECK(contains(thrown_exactly<DistNetworkError>(
+                     [&] { a.ctx->send(3, make_message(MessageType::Request, 2, "anyone?")); }),
+                 "worker 3 ('ghost')"));
+  CHECK(contains(thrown_exactly<distrpc::wire::EncodeError>([&] {
+                   a.ctx->send(1, make_message(MessageType::Request, 3, "too big",
+                                               {pattern_bytes(2 << 20, 1)}));
+                 }),
+                 "worker 1"));
+  a.ctx->send(1, make_message(MessageType::Request, 4, "fits"));
+  REQUIRE(b.inbox.wait_messages(1));
+  a.ctx->shutdown();
+  CHECK(contains(thrown_exactly<DistNetworkError>(
+                     [&] { a.ctx->send(1, make_message(MessageType::Request, 5, "after")); }),
+                 "shut down"));
+}
+
 template <class P>
 void receiver_drops_scenario() {
   TransportOptions o = options_for(1);
@@ -688,6 +738,8 @@ DISTRPC_CONFORMANCE_TARGET("Auto<Shm, Tcp>", AutoShmTcp,
 DISTRPC_CONFORMANCE("an oversized message is refused before anything is written",
                     oversize_refused_scenario)
 DISTRPC_CONFORMANCE("a receiver drops a sender exceeding its limits", receiver_drops_scenario)
+DISTRPC_CONFORMANCE("each failure kind raises the same exception type in every policy",
+                    failure_types_scenario)
 DISTRPC_CONFORMANCE("shutdown with traffic in flight does not hang, and no callback follows it",
                     shutdown_in_flight_scenario)
 

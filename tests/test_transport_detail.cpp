@@ -1,6 +1,7 @@
-// The transports' shared connection layer (include/distrpc/transport/detail/), without processes
-// and without libtorch: the owned descriptor, the dial loop's timing and refusal rule, the
-// generation guard of a peer's lost state, and the handshake's identity check.
+// The OS-level helpers every client shares (include/distrpc/net/: the owned descriptor, the dial
+// loop's timing and refusal rule) and the transports' shared connection layer
+// (include/distrpc/transport/detail/: the generation guard of a peer's lost state, the
+// handshake's identity check), without processes and without libtorch.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -17,18 +18,18 @@
 
 #include <doctest/doctest.h>
 
-#include "distrpc/transport/detail/dial.hpp"
-#include "distrpc/transport/detail/errno_text.hpp"
-#include "distrpc/transport/detail/fd.hpp"
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
 #include "multiprocess.hpp"
 
 namespace {
 
-using distrpc::transport::detail::DialFailure;
-using distrpc::transport::detail::DialTiming;
-using distrpc::transport::detail::Fd;
+using distrpc::net::DialFailure;
+using distrpc::net::DialTiming;
+using distrpc::net::Fd;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
@@ -46,7 +47,7 @@ std::optional<Fd> connect_once(int port, DialFailure& failure) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return s;
   failure.err = errno;
-  failure.text = "connect: " + distrpc::transport::detail::errno_text(failure.err);
+  failure.text = "connect: " + distrpc::net::errno_text(failure.err);
   return std::nullopt;
 }
 
@@ -59,7 +60,7 @@ Refused make_error(const std::string& what) {
 
 }  // namespace
 
-TEST_CASE("transport detail: Fd owns, moves and releases a descriptor") {
+TEST_CASE("net: Fd owns, moves and releases a descriptor") {
   int raw = -1;
   {
     Fd a(::socket(AF_INET, SOCK_STREAM, 0));
@@ -78,14 +79,14 @@ TEST_CASE("transport detail: Fd owns, moves and releases a descriptor") {
   ::close(raw);
 }
 
-TEST_CASE("transport detail: dialling where nothing listens fails within connect_timeout") {
+TEST_CASE("net: dialling where nothing listens fails within connect_timeout") {
   const int port = distrpc::testing::free_loopback_port();
   std::atomic<bool> stopping{false};
   int attempts = 0;
   const DialTiming timing{Clock::now(), 600ms, std::chrono::hours(24)};
   std::string text;
   try {
-    (void)distrpc::transport::detail::dial_with_backoff(
+    (void)distrpc::net::dial_with_backoff(
         timing, stopping,
         [&](DialFailure& f) {
           ++attempts;
@@ -103,13 +104,13 @@ TEST_CASE("transport detail: dialling where nothing listens fails within connect
   CHECK(attempts <= 12);  // backing off, not spinning
 }
 
-TEST_CASE("transport detail: with a short refused_retry a refused dial fails fast") {
+TEST_CASE("net: with a short refused_retry a refused dial fails fast") {
   const int port = distrpc::testing::free_loopback_port();
   std::atomic<bool> stopping{false};
   const DialTiming timing{Clock::now(), 10s, 50ms};
   std::string text;
   try {
-    (void)distrpc::transport::detail::dial_with_backoff(
+    (void)distrpc::net::dial_with_backoff(
         timing, stopping, [&](DialFailure& f) { return connect_once(port, f); }, make_error);
   } catch (const Refused& e) {
     text = e.what();
@@ -120,10 +121,10 @@ TEST_CASE("transport detail: with a short refused_retry a refused dial fails fas
   CHECK(Clock::now() - timing.start < 1s);
 }
 
-TEST_CASE("transport detail: the dial loop returns what an attempt made, and stops on shutdown") {
+TEST_CASE("net: the dial loop returns what an attempt made, and stops on shutdown") {
   std::atomic<bool> stopping{false};
   int calls = 0;
-  const int got = distrpc::transport::detail::dial_with_backoff(
+  const int got = distrpc::net::dial_with_backoff(
       DialTiming{Clock::now(), 5s, std::chrono::hours(24)}, stopping,
       [&](DialFailure& f) -> std::optional<int> {
         if (++calls < 3) {
@@ -145,7 +146,7 @@ TEST_CASE("transport detail: the dial loop returns what an attempt made, and sto
   const auto t0 = Clock::now();
   std::string text;
   try {
-    (void)distrpc::transport::detail::dial_with_backoff(
+    (void)distrpc::net::dial_with_backoff(
         DialTiming{Clock::now(), 30s, std::chrono::hours(24)}, stopping,
         [&](DialFailure& f) -> std::optional<int> {
           f.text = "not yet";
@@ -158,6 +159,66 @@ TEST_CASE("transport detail: the dial loop returns what an attempt made, and sto
   stopper.join();
   CHECK(text == "distrpc test: the transport is shut down");
   CHECK(Clock::now() - t0 < 2s);
+}
+
+TEST_CASE("net: a caller may phrase the end itself, retry refusals and pick its backoff") {
+  // TCPStore's use: refusals retried until the deadline (the server may start later), its own
+  // backoff, and its own text built from the last failure.
+  const int port = distrpc::testing::free_loopback_port();
+  std::atomic<bool> stopping{false};
+  int attempts = 0;
+  const DialTiming timing{.start = Clock::now(),
+                          .connect_timeout = 300ms,
+                          .refused_retry = std::chrono::milliseconds::max(),
+                          .first_backoff = 5ms,
+                          .max_backoff = 20ms};
+  std::string text;
+  distrpc::net::DialEnd end = distrpc::net::DialEnd::Stopped;
+  try {
+    (void)distrpc::net::dial_with_backoff(
+        timing, stopping,
+        [&](DialFailure& f) {
+          ++attempts;
+          return connect_once(port, f);
+        },
+        [&](const distrpc::net::DialGiveUp& g) {
+          end = g.end;
+          CHECK(g.last.err == ECONNREFUSED);
+          return Refused("mine: " + g.last.text + " | " + g.text);
+        });
+  } catch (const Refused& e) {
+    text = e.what();
+  }
+  const auto took = Clock::now() - timing.start;
+  CHECK(end == distrpc::net::DialEnd::TimedOut);
+  CHECK(text ==
+        "mine: connect: Connection refused | no connection within 300 ms (connect_timeout): "
+        "connect: Connection refused");
+  CHECK(took >= 300ms);
+  CHECK(took < 900ms);
+  CHECK(attempts >= 12);  // 5, 10, 20, 20, ... ms apart: the short backoff was used
+  CHECK(attempts <= 40);
+
+  // Unbounded: no deadline at all; it ends when an attempt succeeds.
+  int calls = 0;
+  const int got = distrpc::net::dial_with_backoff(
+      DialTiming{.start = Clock::now() - 24h,
+                 .connect_timeout = 0ms,
+                 .refused_retry = std::chrono::milliseconds::max(),
+                 .first_backoff = 1ms,
+                 .max_backoff = 1ms,
+                 .unbounded = true},
+      stopping,
+      [&](DialFailure& f) -> std::optional<int> {
+        if (++calls < 5) {
+          f.err = ECONNREFUSED;
+          return std::nullopt;
+        }
+        return 7;
+      },
+      make_error);
+  CHECK(got == 7);
+  CHECK(calls == 5);
 }
 
 TEST_CASE("transport detail: a late hang-up of an old connection does not mark the new one lost") {

@@ -263,7 +263,7 @@ TEST_CASE("shm: garbage instead of a handshake is refused; the listener lives on
     const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     REQUIRE(fd >= 0);
     sockaddr_un sa;
-    const socklen_t len = distrpc::transport::shm_detail::abstract_sockaddr(a.ctx->address(), sa);
+    const socklen_t len = distrpc::transport::shm::detail::abstract_sockaddr(a.ctx->address(), sa);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) == 0);
     const std::string junk = "GET / HTTP/1.1\r\n\r\n";
     REQUIRE(::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL) ==
@@ -434,9 +434,9 @@ TEST_CASE("shm: a peer SIGKILLed or crashing mid-transfer is lost within 2 s; no
 // -----------------------------------------------------------------------------------
 
 TEST_CASE("auto: addresses round-trip and malformed ones are refused, naming the peer") {
-  using distrpc::transport::auto_detail::decode_address;
-  using distrpc::transport::auto_detail::encode_address;
-  const std::vector<distrpc::transport::auto_detail::Entry> e{
+  using distrpc::transport::detail::decode_address;
+  using distrpc::transport::detail::encode_address;
+  const std::vector<distrpc::transport::detail::Entry> e{
       {"shm", "shm:boot=x;ipc=ipc:[1];net=net:[2]", "distrpc-shm-1-ab"},
       {"tcp", "tcp", "[::1]:80"},
       {"odd", "a=b@c%d e", "x;y"}};
@@ -553,4 +553,262 @@ TEST_CASE("auto: the multi-process case again with shm domains forced apart") {
       "auto: two processes pick shm, or tcp when their shm domains are forced apart", o);
   INFO(r.report());
   CHECK(r.ok);
+}
+
+// ---- the record parser, driven without sockets
+// --------------------------------------------------- RecordParser (shm/detail/record.hpp) turns a
+// ring's bytes back into messages. These tests put records into a ring in ordinary memory with the
+// writer's own encoder and feed the parser the bytes in pieces, as a real writer publishes them.
+
+namespace {
+
+namespace sd = distrpc::transport::shm::detail;
+namespace wire = distrpc::wire;
+
+// A ring in this process's memory: no memfd, no socket.
+struct MemRing {
+  explicit MemRing(std::uint64_t capacity)
+      : mem(static_cast<char*>(std::aligned_alloc(4096, sd::kRingHeaderBytes + capacity))),
+        writer((sd::init_ring(mem.get(), capacity), mem.get()), capacity),
+        reader(mem.get(), capacity) {}
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> mem;
+  sd::RingWriter writer;
+  sd::RingReader reader;
+};
+
+at::Tensor bytes_tensor(std::size_t n, int seed) {
+  auto t = at::empty({static_cast<std::int64_t>(n)}, at::kByte);
+  auto* p = t.data_ptr<std::uint8_t>();
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint8_t>((i * 31 + seed) & 0xFF);
+  return t;
+}
+
+std::string tensor_bytes(const at::Tensor& t) {
+  return std::string(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.numel()));
+}
+
+// The ring bytes of `m`'s record with every buffer inline (what write_message puts in the ring).
+std::string inline_record(const wire::Message& m, std::uint32_t flags = 0,
+                          std::uint32_t forget = 0) {
+  std::string out;
+  sd::append_record_head(out, m, 0, flags, forget,
+                         std::vector<std::uint64_t>(m.buffers.size(), sd::kInline));
+  out += m.payload;
+  for (const auto& b : m.buffers) out += tensor_bytes(b);
+  return out;
+}
+
+// Writes `bytes` into the ring `chunk` bytes at a time, publishing each piece and letting the
+// parser read what is there before the next; returns the messages it produced.
+std::vector<wire::Message> feed(MemRing& ring, sd::RecordParser& parser, const std::string& bytes,
+                                std::size_t chunk, std::size_t* empty_reads = nullptr) {
+  std::vector<wire::Message> out;
+  std::size_t at = 0;
+  while (at < bytes.size()) {
+    const std::size_t k = static_cast<std::size_t>(
+        std::min<std::uint64_t>({chunk, bytes.size() - at, ring.writer.free_space()}));
+    REQUIRE(k > 0);  // the parser below frees what it read: the ring never stays full
+    ring.writer.copy_in(bytes.data() + at, k);
+    at += k;
+    ring.writer.publish();
+    std::uint64_t avail = ring.reader.available();
+    while (avail > 0) {
+      auto m = parser.parse(ring.reader, avail);
+      if (!m) {
+        if (empty_reads) ++*empty_reads;
+        break;
+      }
+      out.push_back(std::move(*m));
+    }
+    ring.reader.release();
+  }
+  return out;
+}
+
+sd::RecordParser make_parser(wire::Limits limits = {}) {
+  return sd::RecordParser(limits, nullptr);
+}
+
+// The parser's error for `bytes` (which must make it throw), or "" if it threw nothing.
+std::string parse_error(const std::string& bytes, wire::Limits limits = {}) {
+  MemRing ring(sd::kMinRingCapacity);
+  auto parser = make_parser(limits);
+  try {
+    feed(ring, parser, bytes, bytes.size());
+  } catch (const wire::ProtocolError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("shm records: messages arriving in small pieces are reassembled, back to back") {
+  wire::Message a;
+  a.type = wire::MessageType::Request;
+  a.id = 41;
+  a.payload = "a request's payload";
+  a.buffers = {bytes_tensor(3, 1), bytes_tensor(1000, 2), bytes_tensor(0, 3)};
+  wire::Message b;
+  b.type = wire::MessageType::Response;
+  b.id = 42;  // an empty message: header only
+  wire::Message c;
+  c.type = wire::MessageType::Exception;
+  c.id = 43;
+  c.payload = std::string(5000, 'x');
+
+  const std::string bytes = inline_record(a) + inline_record(b) + inline_record(c);
+  for (const std::size_t chunk : {std::size_t{1}, std::size_t{7}, std::size_t{4096}}) {
+    CAPTURE(chunk);
+    MemRing ring(sd::kMinRingCapacity);
+    auto parser = make_parser();
+    const auto got = feed(ring, parser, bytes, chunk);
+    REQUIRE(got.size() == 3);
+    CHECK(got[0].type == wire::MessageType::Request);
+    CHECK(got[0].id == 41);
+    CHECK(got[0].payload == a.payload);
+    REQUIRE(got[0].buffers.size() == 3);
+    for (std::size_t i = 0; i < 3; ++i)
+      CHECK(tensor_bytes(got[0].buffers[i]) == tensor_bytes(a.buffers[i]));
+    CHECK(got[1].type == wire::MessageType::Response);
+    CHECK(got[1].id == 42);
+    CHECK(got[1].payload.empty());
+    CHECK(got[1].buffers.empty());
+    CHECK(got[2].type == wire::MessageType::Exception);
+    CHECK(got[2].id == 43);
+    CHECK(got[2].payload == c.payload);
+    CHECK_FALSE(parser.mid_record());
+  }
+
+  // Cut anywhere inside a record, the parser waits for the rest and says it is mid-record.
+  MemRing ring(sd::kMinRingCapacity);
+  auto parser = make_parser();
+  const std::string first = inline_record(a);
+  CHECK(feed(ring, parser, first.substr(0, first.size() - 1), first.size()).empty());
+  CHECK(parser.mid_record());
+  const auto rest = feed(ring, parser, first.substr(first.size() - 1), 1);
+  REQUIRE(rest.size() == 1);
+  CHECK(tensor_bytes(rest[0].buffers[1]) == tensor_bytes(a.buffers[1]));
+  CHECK_FALSE(parser.mid_record());
+}
+
+TEST_CASE("shm records: a message larger than the ring streams through it intact") {
+  wire::Message m;
+  m.type = wire::MessageType::Request;
+  m.id = 7;
+  m.payload.resize(3 * sd::kMinRingCapacity + 123);
+  for (std::size_t i = 0; i < m.payload.size(); ++i) m.payload[i] = static_cast<char>(i % 251);
+  m.buffers = {bytes_tensor(2 * sd::kMinRingCapacity + 5, 9), bytes_tensor(17, 4)};
+  const std::string bytes = inline_record(m);
+  REQUIRE(bytes.size() > 5 * sd::kMinRingCapacity);
+
+  MemRing ring(sd::kMinRingCapacity);
+  auto parser = make_parser();
+  std::size_t waits = 0;  // reads that ended mid-record: the ring held only part of it
+  const auto got = feed(ring, parser, bytes, sd::kMinRingCapacity, &waits);
+  REQUIRE(got.size() == 1);
+  CHECK(waits >= 5);
+  CHECK(got[0].id == 7);
+  CHECK(got[0].payload == m.payload);
+  REQUIRE(got[0].buffers.size() == 2);
+  CHECK(tensor_bytes(got[0].buffers[0]) == tensor_bytes(m.buffers[0]));
+  CHECK(tensor_bytes(got[0].buffers[1]) == tensor_bytes(m.buffers[1]));
+}
+
+TEST_CASE("shm records: a buffer placed in a segment is a view of the segment's bytes") {
+  // A segment in a memfd of this process, standing in for one the writer announced.
+  const std::uint64_t cap = 4096;
+  auto fd = sd::make_memfd("distrpc-shm test segment", sd::kSegmentHeaderBytes + cap);
+  auto seg = std::make_shared<sd::RecvSegment>();
+  seg->map = sd::map_shared(fd.get(), sd::kSegmentHeaderBytes + cap, /*prefault=*/false);
+  seg->capacity = cap;
+  for (std::uint64_t i = 0; i < cap; ++i) seg->data()[i] = static_cast<char>(i & 0x7F);
+  std::vector<std::uint32_t> asked;
+  sd::RecordParser parser(wire::Limits{}, [&](std::uint32_t id) {
+    asked.push_back(id);
+    return seg;
+  });
+
+  wire::Message m;
+  m.id = 5;
+  m.buffers = {bytes_tensor(100, 0), bytes_tensor(6, 1)};
+  std::string bytes;
+  sd::append_record_head(bytes, m, /*segment=*/3, 0, 0, {64, sd::kInline});
+  bytes += tensor_bytes(m.buffers[1]);  // only the inline buffer travels in the ring
+  MemRing ring(sd::kMinRingCapacity);
+  auto got = feed(ring, parser, bytes, bytes.size());
+  REQUIRE(got.size() == 1);
+  CHECK(asked == std::vector<std::uint32_t>{3});
+  CHECK(parser.segments_in_use() == 1);
+  CHECK(tensor_bytes(got[0].buffers[0]) == std::string(seg->data() + 64, 100));
+  CHECK(tensor_bytes(got[0].buffers[1]) == tensor_bytes(m.buffers[1]));
+
+  // The same segment again is not asked for; one reaching past its end is refused.
+  std::string outside;
+  sd::append_record_head(outside, m, 3, 0, 0, {cap - 50, sd::kInline});
+  outside += tensor_bytes(m.buffers[1]);
+  try {
+    feed(ring, parser, outside, outside.size());
+    FAIL("a buffer outside its segment was accepted");
+  } catch (const wire::ProtocolError& e) {
+    CHECK(std::string(e.what()) ==
+          "buffer 0 of 100 bytes at offset 4046 reaches outside segment 3 of 4096 bytes");
+  }
+  CHECK(asked.size() == 1);
+}
+
+TEST_CASE("shm records: a corrupted record header is an error naming what was wrong") {
+  wire::Message m;
+  m.id = 1;
+  m.payload = "p";
+  const std::string good = inline_record(m);
+
+  std::string bad_magic = good;
+  bad_magic[0] = '\xEF';
+  bad_magic[1] = '\xBE';
+  bad_magic[2] = '\xAD';
+  bad_magic[3] = '\xDE';
+  CHECK(parse_error(bad_magic) ==
+        "bad record magic 0xdeadbeef in the shared ring (the stream is "
+        "corrupted)");
+  CHECK(parse_error(inline_record(m, /*flags=*/6)) == "record flags 6 are not defined");
+  CHECK(parse_error(inline_record(m, 0, /*forget=*/9)) ==
+        "the peer releases segment 9, which is not in use");
+
+  std::string named = good;
+  named[4] = 2;  // names segment 2: this parser has no source of segments
+  CHECK(parse_error(named) ==
+        "a record names segment 2, which was never announced (this reader takes no segments)");
+
+  wire::Message hello;
+  hello.type = wire::MessageType::Handshake;
+  CHECK(parse_error(inline_record(hello)) ==
+        "unexpected Handshake record on an established connection");
+
+  // The frame header inside the record is checked against the connection's limits.
+  wire::Limits small;
+  small.max_payload_bytes = 16;
+  m.payload = std::string(17, 'p');
+  CHECK(parse_error(inline_record(m), small) == "frame payload length 17 exceeds limit 16");
+
+  // A good record still parses after all this (the helpers above are not what fails).
+  CHECK(parse_error(good).empty());
+}
+
+TEST_CASE(
+    "shm records: a ring header the peer corrupted is a ProtocolError, as every transport's") {
+  MemRing ring(sd::kMinRingCapacity);
+  CHECK(ring.reader.available() == 0);
+  std::memset(ring.mem.get(), 0x5a, 8);  // the magic
+  try {
+    (void)ring.reader.available();
+    FAIL("a corrupted ring header went unnoticed");
+  } catch (const wire::ProtocolError& e) {
+    CHECK(std::string(e.what()).rfind(
+              "the shared ring header is corrupted (magic 0x5a5a5a5a5a5a5a5a", 0) == 0);
+  }
+  CHECK_THROWS_AS(ring.writer.free_space(), sd::RingCorrupt);
 }

@@ -42,7 +42,7 @@ using Node = distrpc::testing::NodeOf<Tcp>;
 // ---- raw sockets, to play a broken or hostile peer ----------------------------------------------
 
 int raw_connect(const std::string& address) {
-  const auto hp = distrpc::transport::tcp_detail::split_host_port(address);
+  const auto hp = distrpc::transport::tcp::detail::split_host_port(address);
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(fd >= 0);
   sockaddr_in a{};

@@ -11,19 +11,21 @@ layer_of() {
   case "$1" in
     distrpc/future.hpp | distrpc/error.hpp | distrpc/rpc_error.hpp | distrpc/worker_info.hpp | \
       distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
-      distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | distrpc/log_c10.hpp) echo 0 ;;                                      # values
-    distrpc/wire.hpp | distrpc/wire/*) echo 1 ;;                              # wire
-    distrpc/store.hpp | distrpc/store/*) echo 2 ;;                            # store
-    distrpc/transport/*) echo 3 ;;                                            # transport
+      distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | \
+      distrpc/log_c10.hpp) echo 0 ;;                                          # values
+    distrpc/net/*) echo 1 ;;                                                  # net (OS helpers)
+    distrpc/wire.hpp | distrpc/wire/*) echo 2 ;;                              # wire
+    distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store
+    distrpc/transport/*) echo 4 ;;                                            # transport
     distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
-      distrpc/backends.hpp) echo 4 ;;                                         # agent
-    distrpc/rref.hpp | distrpc/rref/*) echo 5 ;;                              # refs
-    distrpc/nn/*) echo 6 ;;                                                   # modules
+      distrpc/backends.hpp) echo 5 ;;                                         # agent
+    distrpc/rref.hpp | distrpc/rref/*) echo 6 ;;                              # refs
+    distrpc/nn/*) echo 7 ;;                                                   # modules
     distrpc/distrpc.hpp) echo 9 ;;                                            # everything
     *) echo "?" ;;
   esac
 }
-names=(values wire store transport agent refs modules - - umbrella)
+names=(values net wire store transport agent refs modules - umbrella)
 
 exceptions=tests/layering/known_exceptions.txt
 declare -A known=()

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <string>
 
+#include "distrpc/log.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
@@ -17,8 +17,8 @@ inline constexpr const char* kStoreBarrierPrefix = "store_based_barrier_key";
 // Blocks until `world_size` callers have entered the barrier named `group_name` on `store`.
 // Past `timeout` throws DistStoreError "Timed out initializing process group in store based
 // barrier on rank R, for key: K (world_size=N, num_workers_joined=J, timeout=T ms)".
-// Every `log_interval` of waiting, one status line goes to stderr. A barrier name is single-use:
-// the counter it leaves behind is what lets late arrivals pass.
+// Every `log_interval` of waiting, one status line is logged (distrpc/log.hpp). A barrier name is
+// single-use: the counter it leaves behind is what lets late arrivals pass.
 inline void store_based_barrier(Store& store, int rank, int world_size,
                                 const std::string& group_name, std::chrono::milliseconds timeout,
                                 std::chrono::milliseconds log_interval = std::chrono::seconds(10)) {
@@ -55,11 +55,10 @@ inline void store_based_barrier(Store& store, int rank, int world_size,
                            ", timeout=" + std::to_string(timeout.count()) + " ms)");
     }
     if (slice == log_interval) {
-      std::fprintf(stderr,
-                   "[distrpc] store_based_barrier: rank %d waiting on %s: %lld/%d joined after "
-                   "%lld ms\n",
-                   rank, key.c_str(), static_cast<long long>(joined), world_size,
-                   static_cast<long long>(waited.count()));
+      distrpc::detail::log_warning("store_based_barrier",
+                                   "rank " + std::to_string(rank) + " waiting on " + key + ": " +
+                                       std::to_string(joined) + "/" + std::to_string(world_size) +
+                                       " joined after " + std::to_string(waited.count()) + " ms");
     }
   }
 }

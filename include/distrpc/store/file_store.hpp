@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -27,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "distrpc/log.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
@@ -63,8 +63,8 @@ class FileStore : public Store {
       if (world_size_ > 0) finish();
     } catch (const std::exception& e) {
       // A destructor must not throw; the file is then merely left behind.
-      std::fprintf(stderr, "[distrpc] %s: cleanup on destruction failed: %s\n", name_.c_str(),
-                   e.what());
+      distrpc::detail::log_warning(name_,
+                                   std::string("cleanup on destruction failed: ") + e.what());
     }
     ::close(fd_);
   }

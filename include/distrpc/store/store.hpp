@@ -14,13 +14,15 @@
 namespace distrpc::store {
 
 using Bytes = std::vector<std::uint8_t>;
-using std::chrono::milliseconds;
 
 inline Bytes to_bytes(std::string_view s) { return Bytes(s.begin(), s.end()); }
 inline std::string to_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
 
 class Store {
  public:
+  // The unit of every timeout; a member, so the stores and their users spell it briefly without
+  // a using-declaration leaking into distrpc::store.
+  using milliseconds = std::chrono::milliseconds;
   // c10d's default store timeout.
   static constexpr milliseconds kDefaultTimeout{300'000};
   // Passed as a timeout: wait without limit.

@@ -19,7 +19,7 @@
 // A client sends one request per connection at a time. The server answers GET and WAIT when the
 // keys appear (waiter lists, no polling) or when their timeout passes. Anything malformed (bad
 // length, unknown opcode, a field running past its frame, bytes after the last field, a request
-// while one is pending, EOF inside a frame) closes that connection only, with one line on stderr.
+// while one is pending, EOF inside a frame) closes that connection only, with one line logged.
 //
 // Threads: server state is touched only by the I/O thread. A client object keeps a small pool of
 // connections so that threads sharing it do not queue behind one another's blocking get(); the
@@ -36,6 +36,7 @@
 
 #include <fcntl.h>
 #include <algorithm>
+#include <atomic>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/post.hpp>
@@ -56,6 +57,10 @@
 #include <unordered_set>
 #include <vector>
 
+#include "distrpc/log.hpp"
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
@@ -81,7 +86,7 @@ struct TCPStoreOptions {
   std::chrono::milliseconds handshake_timeout{10'000};
 };
 
-namespace detail::tcp {
+namespace detail {
 
 inline constexpr std::uint32_t kMagic = 0x53545244;  // "DRTS"
 inline constexpr std::uint16_t kVersion = 1;
@@ -252,8 +257,8 @@ class Server {
           io_.run();
           return;
         } catch (const std::exception& e) {
-          std::fprintf(stderr, "[distrpc] %s: unexpected error in the I/O thread: %s\n",
-                       name_.c_str(), e.what());
+          distrpc::detail::log_error(
+              name_, std::string("unexpected error in the I/O thread: ") + e.what());
         }
       }
     });
@@ -424,8 +429,8 @@ class Server {
     // Logs why, once, then closes.
     void fail(const std::string& reason) {
       if (closed) return;
-      std::fprintf(stderr, "[distrpc] %s: closing the connection from %s: %s\n",
-                   server.name_.c_str(), peer.c_str(), reason.c_str());
+      distrpc::detail::log_warning(server.name_,
+                                   "closing the connection from " + peer + ": " + reason);
       close();
     }
 
@@ -464,8 +469,7 @@ class Server {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
       if (ec) {
         // Out of descriptors, usually: say so, and try again shortly rather than spin.
-        std::fprintf(stderr, "[distrpc] %s: accept failed: %s\n", name_.c_str(),
-                     ec.message().c_str());
+        distrpc::detail::log_warning(name_, "accept failed: " + ec.message());
         auto t = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(50));
         t->async_wait([this, t](asio::error_code e) {
           if (!e) accept_next();
@@ -758,21 +762,23 @@ class Connection {
   Connection(const std::string& host, int port, bool primary, std::chrono::milliseconds timeout)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
-    std::string last_error = "no attempt made";
-    auto backoff = std::chrono::milliseconds(5);
-    for (;;) {
-      fd_ = try_connect(host, port, deadline, last_error);
-      if (fd_ >= 0) break;
-      if (deadline.expired()) {
-        throw DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
-                               std::to_string(timeout.count()) + " ms (last error: " + last_error +
-                               ")");
-      }
-      auto nap = backoff;
-      if (!deadline.infinite()) nap = std::min(nap, deadline.remaining());
-      std::this_thread::sleep_for(nap);
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
-    }
+    // The server may start later: a refusal is retried like any failure until the deadline (none
+    // with kNoTimeout), and nothing stops the loop early (a store has no shutdown flag).
+    static const std::atomic<bool> kNeverStopped{false};
+    const net::DialTiming timing{.start = deadline.at() - timeout,
+                                 .connect_timeout = timeout,
+                                 .refused_retry = std::chrono::milliseconds::max(),
+                                 .first_backoff = std::chrono::milliseconds(5),
+                                 .max_backoff = std::chrono::milliseconds(200),
+                                 .unbounded = deadline.infinite()};
+    fd_ = net::dial_with_backoff(
+        timing, kNeverStopped,
+        [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure.text); },
+        [&](const net::DialGiveUp& end) {
+          return DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
+                                  std::to_string(timeout.count()) +
+                                  " ms (last error: " + end.last.text + ")");
+        });
     begin_frame(out_, kHello);
     put_le<std::uint32_t>(out_, kMagic);
     put_le<std::uint16_t>(out_, kVersion);
@@ -784,17 +790,13 @@ class Connection {
       }
       r.le<std::uint16_t>("version");
     } catch (const std::exception& e) {
-      ::close(fd_);
-      fd_ = -1;
+      fd_.reset();
       if (dynamic_cast<const DistNetworkError*>(&e)) throw;
       throw DistNetworkError("TCPStore: " + where_ +
                              " did not complete the TCPStore handshake: " + e.what());
     }
   }
 
-  ~Connection() {
-    if (fd_ >= 0) ::close(fd_);
-  }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
@@ -816,8 +818,9 @@ class Connection {
   }
 
  private:
-  static int try_connect(const std::string& host, int port, const Deadline& deadline,
-                         std::string& last_error) {
+  // One attempt per resolved address; nullopt with `last_error` set when none answers.
+  static std::optional<net::Fd> try_connect(const std::string& host, int port,
+                                            const Deadline& deadline, std::string& last_error) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -826,17 +829,19 @@ class Connection {
     const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
     if (rc != 0) {
       last_error = std::string("cannot resolve host: ") + ::gai_strerror(rc);
-      return -1;
+      return std::nullopt;
     }
-    int fd = -1;
-    for (addrinfo* a = res; a && fd < 0; a = a->ai_next) {
-      fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-      if (fd < 0) {
-        last_error = std::strerror(errno);
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
+    net::Fd fd;
+    for (addrinfo* a = res; a && !fd; a = a->ai_next) {
+      net::Fd s(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+      if (!s) {
+        last_error = net::errno_text(errno);
         continue;
       }
       int err = 0;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      if (::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) {
         err = errno;
         if (err == EINPROGRESS) {
           // Bounded per attempt so a black-holed address is retried rather than waited on.
@@ -844,33 +849,32 @@ class Connection {
           if (!deadline.infinite()) {
             wait_ms = static_cast<int>(std::min<long>(1000, deadline.remaining().count()));
           }
-          pollfd p{fd, POLLOUT, 0};
+          pollfd p{s.get(), POLLOUT, 0};
           const int pr = ::poll(&p, 1, wait_ms);
           socklen_t len = sizeof err;
           if (pr == 1) {
-            ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &err, &len);
           } else {
             err = pr == 0 ? ETIMEDOUT : errno;
           }
         }
       }
       if (err != 0) {
-        last_error = std::strerror(err);
-        ::close(fd);
-        fd = -1;
+        last_error = net::errno_text(err);
+        continue;  // `s` closes
       }
+      fd = std::move(s);
     }
-    ::freeaddrinfo(res);
-    if (fd < 0) return -1;
+    if (!fd) return std::nullopt;
     // Blocking from here on; the 100 ms socket timeouts only let a blocked call look at its
     // deadline.
-    const int flags = ::fcntl(fd, F_GETFL);
-    ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
     int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     timeval tick{0, 100'000};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof tick);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof tick);
     return fd;
   }
 
@@ -890,7 +894,7 @@ class Connection {
   void send_all(const Deadline& deadline, const Describe& what) {
     std::size_t done = 0;
     while (done < out_.size()) {
-      const ssize_t n = ::send(fd_, out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
       if (n >= 0) {
         done += static_cast<std::size_t>(n);
         continue;
@@ -900,7 +904,7 @@ class Connection {
         if (deadline.expired()) no_answer(what());
         continue;
       }
-      lost(what(), std::strerror(errno));
+      lost(what(), net::errno_text(errno));
     }
   }
 
@@ -921,7 +925,7 @@ class Connection {
         if (have >= need) break;
         if (in_.size() < need) in_.resize(need);
       }
-      const ssize_t n = ::recv(fd_, in_.data() + have, in_.size() - have, 0);
+      const ssize_t n = ::recv(fd_.get(), in_.data() + have, in_.size() - have, 0);
       if (n > 0) {
         have += static_cast<std::size_t>(n);
         continue;
@@ -932,7 +936,7 @@ class Connection {
         if (deadline.expired()) no_answer(what());
         continue;
       }
-      lost(what(), std::strerror(errno));
+      lost(what(), net::errno_text(errno));
     }
     if (have != need) {
       // The server never sends ahead of a request.
@@ -944,14 +948,14 @@ class Connection {
   }
 
   std::string where_;
-  int fd_ = -1;
+  net::Fd fd_;
   Buffer out_;
   Buffer in_;
   std::uint8_t status_ = 0;
   bool broken_ = false;
 };
 
-}  // namespace detail::tcp
+}  // namespace detail
 
 class TCPStore : public Store {
  public:
@@ -975,14 +979,14 @@ class TCPStore : public Store {
                       std::to_string(opts_.world_size));
     }
     if (opts_.is_master) {
-      server_ = std::make_unique<detail::tcp::Server>(
+      server_ = std::make_unique<detail::Server>(
           opts_.listen_address.empty() ? opts_.host : opts_.listen_address, opts_.port,
           opts_.handshake_timeout);
       opts_.port = server_->port();
     }
-    name_ = "TCPStore(" + detail::tcp::host_port(opts_.host, opts_.port) + ")";
+    name_ = "TCPStore(" + detail::host_port(opts_.host, opts_.port) + ")";
     idle_.push_back(
-        std::make_unique<detail::tcp::Connection>(opts_.host, opts_.port, true, opts_.timeout));
+        std::make_unique<detail::Connection>(opts_.host, opts_.port, true, opts_.timeout));
     if (opts_.is_master && opts_.wait_for_workers) {
       const int joined = server_->wait_for_clients(opts_.world_size, opts_.timeout);
       if (joined < opts_.world_size) {
@@ -1013,10 +1017,10 @@ class TCPStore : public Store {
     detail::check_key(name_, "set", key);
     detail::check_value(name_, "set", key, value.size());
     roundtrip(
-        detail::tcp::kSet, "set", one_key(key),
+        detail::kSet, "set", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_str(b, value);
+          detail::put_str(b, key);
+          detail::put_str(b, value);
         },
         [](auto&) { return 0; });
   }
@@ -1025,10 +1029,10 @@ class TCPStore : public Store {
     detail::check_key(name_, "get", key);
     const auto timeout = this->timeout();
     return roundtrip(
-        detail::tcp::kGet, "get", one_key(key),
+        detail::kGet, "get", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
+          detail::put_str(b, key);
+          detail::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
         },
         [](auto& r) { return r.bytes("value"); }, timeout);
   }
@@ -1036,10 +1040,10 @@ class TCPStore : public Store {
   std::int64_t add(const std::string& key, std::int64_t delta) override {
     detail::check_key(name_, "add", key);
     return roundtrip(
-        detail::tcp::kAdd, "add", one_key(key),
+        detail::kAdd, "add", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_le<std::int64_t>(b, delta);
+          detail::put_str(b, key);
+          detail::put_le<std::int64_t>(b, delta);
         },
         [](auto& r) { return r.template le<std::int64_t>("counter"); });
   }
@@ -1049,11 +1053,11 @@ class TCPStore : public Store {
     detail::check_value(name_, "compare_set", key, expected.size());
     detail::check_value(name_, "compare_set", key, desired.size());
     return roundtrip(
-        detail::tcp::kCompareSet, "compare_set", one_key(key),
+        detail::kCompareSet, "compare_set", one_key(key),
         [&](auto& b) {
-          detail::tcp::put_str(b, key);
-          detail::tcp::put_str(b, expected);
-          detail::tcp::put_str(b, desired);
+          detail::put_str(b, key);
+          detail::put_str(b, expected);
+          detail::put_str(b, desired);
         },
         [](auto& r) { return r.bytes("value"); });
   }
@@ -1061,7 +1065,7 @@ class TCPStore : public Store {
   bool check(const std::vector<std::string>& keys) override {
     for (const auto& k : keys) detail::check_key(name_, "check", k);
     return roundtrip(
-        detail::tcp::kCheck, "check", [&] { return keys; }, [&](auto& b) { put_keys(b, keys); },
+        detail::kCheck, "check", [&] { return keys; }, [&](auto& b) { put_keys(b, keys); },
         [](auto& r) { return r.u8("flag") != 0; });
   }
 
@@ -1069,10 +1073,10 @@ class TCPStore : public Store {
     for (const auto& k : keys) detail::check_key(name_, "wait", k);
     if (keys.empty()) return;
     roundtrip(
-        detail::tcp::kWait, "wait", [&] { return keys; },
+        detail::kWait, "wait", [&] { return keys; },
         [&](auto& b) {
           put_keys(b, keys);
-          detail::tcp::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
+          detail::put_le<std::uint64_t>(b, static_cast<std::uint64_t>(timeout.count()));
         },
         [](auto&) { return 0; }, timeout);
   }
@@ -1080,13 +1084,13 @@ class TCPStore : public Store {
   bool delete_key(const std::string& key) override {
     detail::check_key(name_, "delete_key", key);
     return roundtrip(
-        detail::tcp::kDelete, "delete_key", one_key(key),
-        [&](auto& b) { detail::tcp::put_str(b, key); }, [](auto& r) { return r.u8("flag") != 0; });
+        detail::kDelete, "delete_key", one_key(key), [&](auto& b) { detail::put_str(b, key); },
+        [](auto& r) { return r.u8("flag") != 0; });
   }
 
   std::int64_t num_keys() override {
     return roundtrip(
-        detail::tcp::kNumKeys, "num_keys", [] { return std::vector<std::string>{}; }, [](auto&) {},
+        detail::kNumKeys, "num_keys", [] { return std::vector<std::string>{}; }, [](auto&) {},
         [](auto& r) { return r.template le<std::int64_t>("count"); });
   }
 
@@ -1110,13 +1114,13 @@ class TCPStore : public Store {
   };
   static OneKey one_key(const std::string& key) { return OneKey{key}; }
 
-  static void put_keys(detail::tcp::Buffer& b, const std::vector<std::string>& keys) {
-    detail::tcp::put_le<std::uint32_t>(b, static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) detail::tcp::put_str(b, k);
+  static void put_keys(detail::Buffer& b, const std::vector<std::string>& keys) {
+    detail::put_le<std::uint32_t>(b, static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) detail::put_str(b, k);
   }
 
   // Takes an idle connection, or opens another when every one is busy in another thread.
-  std::unique_ptr<detail::tcp::Connection> acquire() {
+  std::unique_ptr<detail::Connection> acquire() {
     {
       std::lock_guard lock(mu_);
       if (!lost_.empty()) throw DistNetworkError(lost_);
@@ -1126,10 +1130,10 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return std::make_unique<detail::tcp::Connection>(opts_.host, opts_.port, false, timeout());
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, false, timeout());
   }
 
-  void release(std::unique_ptr<detail::tcp::Connection> c) {
+  void release(std::unique_ptr<detail::Connection> c) {
     if (c->broken()) return;
     std::lock_guard lock(mu_);
     idle_.push_back(std::move(c));
@@ -1141,14 +1145,14 @@ class TCPStore : public Store {
   template <class Keys, class Encode, class Decode>
   auto roundtrip(std::uint8_t op, const char* what, const Keys& keys, const Encode& encode,
                  const Decode& decode, std::optional<milliseconds> blocking_timeout = std::nullopt)
-      -> std::invoke_result_t<const Decode&, detail::tcp::Reader&> {
+      -> std::invoke_result_t<const Decode&, detail::Reader&> {
     const milliseconds limit = blocking_timeout.value_or(timeout());
     // kNoTimeout stays "no limit"; otherwise leave the server time to send its own timeout reply.
     const detail::Deadline deadline(limit <= kNoTimeout ? kNoTimeout
-                                                        : limit + detail::tcp::kClientGrace);
+                                                        : limit + detail::kClientGrace);
     auto conn = acquire();
-    detail::tcp::Buffer& b = conn->out();
-    detail::tcp::begin_frame(b, op);
+    detail::Buffer& b = conn->out();
+    detail::begin_frame(b, op);
     encode(b);
     auto describe = [&] {
       return std::string(what) + " " + detail::quote_keys(keys()) + " on " + name_ + " (timeout " +
@@ -1157,29 +1161,29 @@ class TCPStore : public Store {
     try {
       auto r = conn->call(deadline, describe);
       const std::uint8_t st = conn->status();
-      if (st == detail::tcp::kOk) {
+      if (st == detail::kOk) {
         auto result = decode(r);
         r.finish();
         release(std::move(conn));
         return result;
       }
-      if (st == detail::tcp::kTimeout) {
+      if (st == detail::kTimeout) {
         auto missing = r.strs("missing key");
         r.finish();
         release(std::move(conn));
         throw StoreTimeoutError(detail::timeout_text(name_, what, keys(), missing, limit));
       }
-      if (st == detail::tcp::kError) {
+      if (st == detail::kError) {
         auto text = r.str("error text");
         release(std::move(conn));
         throw DistStoreError(name_ + ": " + what + " refused by the server: " + text);
       }
-      throw detail::tcp::WireError("unknown reply status " + std::to_string(st));
-    } catch (const detail::tcp::ConnectionLost& e) {
+      throw detail::WireError("unknown reply status " + std::to_string(st));
+    } catch (const detail::ConnectionLost& e) {
       std::lock_guard lock(mu_);
       lost_ = e.what();
       throw;
-    } catch (const detail::tcp::WireError& e) {
+    } catch (const detail::WireError& e) {
       // `conn` is dropped here: its position in the stream can no longer be trusted.
       throw DistNetworkError(name_ + ": malformed reply to " + describe() + ": " + e.what());
     }
@@ -1187,9 +1191,9 @@ class TCPStore : public Store {
 
   TCPStoreOptions opts_;
   std::string name_;
-  std::unique_ptr<detail::tcp::Server> server_;
+  std::unique_ptr<detail::Server> server_;
   std::mutex mu_;  // guards idle_ and lost_
-  std::vector<std::unique_ptr<detail::tcp::Connection>> idle_;
+  std::vector<std::unique_ptr<detail::Connection>> idle_;
   std::string lost_;  // why the server connection was lost; later operations fail fast with it
 };
 

@@ -39,7 +39,7 @@
 
 namespace distrpc::transport {
 
-namespace auto_detail {
+namespace detail {
 
 inline constexpr std::string_view kAddressTag = "auto:v1";
 
@@ -152,7 +152,7 @@ inline std::vector<Entry> decode_address(const std::string& address) {
   return out;
 }
 
-}  // namespace auto_detail
+}  // namespace detail
 
 template <class... Candidates>
 struct Auto {
@@ -196,7 +196,7 @@ struct Auto {
         throw DistNetworkError("distrpc auto: worker " + std::to_string(self_) +
                                ": none of the candidate transports is viable here (" + tried + ")");
       }
-      address_ = auto_detail::encode_address(entries_);
+      address_ = detail::encode_address(entries_);
     }
     ~Context() { shutdown(); }
     Context(const Context&) = delete;
@@ -208,9 +208,9 @@ struct Auto {
     // with that candidate. Throws DistNetworkError naming the peer when the address is malformed
     // or no candidate is shared (the text lists both sides' transports and domain keys).
     void add_peer(int id, const std::string& name, const std::string& address) {
-      std::vector<auto_detail::Entry> theirs;
+      std::vector<detail::Entry> theirs;
       try {
-        theirs = auto_detail::decode_address(address);
+        theirs = detail::decode_address(address);
       } catch (const DistNetworkError& e) {
         throw DistNetworkError("distrpc auto: add_peer: worker " + std::to_string(id) + " ('" +
                                name + "'): " + e.what());
@@ -369,8 +369,8 @@ struct Auto {
           };
           auto& slot = std::get<I>(contexts_);
           slot = std::make_unique<typename P::Context>(options, std::move(cb));
-          entries_.push_back(auto_detail::Entry{
-              std::string(P::name), auto_detail::effective_domain_key<P>(self_), slot->address()});
+          entries_.push_back(detail::Entry{
+              std::string(P::name), detail::effective_domain_key<P>(self_), slot->address()});
           tried += std::string(tried.empty() ? "" : ", ") + std::string(P::name) + ": viable";
         } else {
           tried += std::string(tried.empty() ? "" : ", ") + std::string(P::name) + ": not viable";
@@ -405,7 +405,7 @@ struct Auto {
     std::shared_ptr<State> state_;
     Contexts contexts_;
     std::array<std::atomic<int>, N> in_use_{};  // peers per candidate (under state_->mu to write)
-    std::vector<auto_detail::Entry> entries_;
+    std::vector<detail::Entry> entries_;
     std::string address_;
   };
 };

@@ -11,7 +11,6 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <functional>
 #include <string>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "distrpc/bounded_thread.hpp"
+#include "distrpc/log.hpp"
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/message.hpp"
 
@@ -108,7 +108,10 @@ struct InlineTask {
     try {
       f();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "distrpc: a task handed back to a reading thread threw: %s\n", e.what());
+      // No worker is known here: the task is the receiver's, run on a transport's thread.
+      distrpc::detail::log_error("transport",
+                                 std::string("a task handed back to a reading thread threw: ") +
+                                     e.what());
     }
   }
   static void queue_one(std::function<void()>&& f, const Fallback& fb) {

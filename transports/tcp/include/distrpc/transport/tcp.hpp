@@ -46,7 +46,6 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -64,12 +63,13 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
-#include "distrpc/transport/detail/dial.hpp"
-#include "distrpc/transport/detail/errno_text.hpp"
-#include "distrpc/transport/detail/fd.hpp"
+#include "distrpc/log.hpp"
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
+#include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
-#include "distrpc/transport/detail/wait_fd.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -87,7 +87,7 @@ struct Tcp {
   class Context;
 };
 
-namespace tcp_detail {
+namespace tcp::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -108,12 +108,12 @@ inline constexpr int kMadvPopulateWrite = 23;
 // A handshake frame is a Hello: name and token are bounded by the wire layer, so this is ample.
 inline constexpr std::uint64_t kMaxHelloFrameBytes = 8 * 1024;
 // Blocking waits on the calling thread wake this often to notice shutdown().
-inline constexpr int kPollSliceMs = detail::kPollSliceMs;
+inline constexpr int kPollSliceMs = net::kPollSliceMs;
 // Keepalive notices a peer whose host vanished (no reset ever comes): about 45 s.
 inline constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 3;
 
-using detail::errno_text;
-using detail::Fd;
+using net::errno_text;
+using net::Fd;
 
 // Handshake frames are refused beyond these before anything is allocated: an unauthenticated
 // connection must not make us reserve the limits meant for data.
@@ -193,12 +193,7 @@ inline void prefault(void* data, std::size_t size) {
   ::madvise(p, end - begin, kMadvPopulateWrite);
 }
 
-inline void log_drop(const std::string& remote, const std::string& reason) {
-  std::fprintf(stderr, "distrpc tcp: dropping connection from %s: %s\n", remote.c_str(),
-               reason.c_str());
-}
-
-using detail::wait_fd;  // distrpc/transport/detail/wait_fd.hpp
+using net::wait_fd;  // distrpc/net/wait_fd.hpp
 
 // Writes every byte of `iov` (consumed in place). The fd may be non-blocking (the reader makes it
 // so for its reads), hence EAGAIN → poll. MSG_NOSIGNAL: a dead peer is an error, not SIGPIPE.
@@ -339,7 +334,7 @@ struct Peer {
   std::shared_ptr<Connection> out;
   // A handshaken connection broke: sends fail fast until add_peer(); with the generation guard
   // (a late hang-up of the old pair must not mark a fresh registration lost).
-  detail::PeerLiveness liveness;
+  transport::detail::PeerLiveness liveness;
 
   std::string describe_locked() const {
     return "worker " + std::to_string(id) + " ('" + name + "')" +
@@ -442,7 +437,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw wire::EncodeError("distrpc tcp: refusing to send to worker " + std::to_string(peer) +
                               ": " + e.what());
     }
-    write_frame(*connection_to(peer), m);
+    write_message(*connection_to(peer), m);
   }
 
   // Returns how many reading threads it abandoned: still running a handed-back task (a request
@@ -488,6 +483,18 @@ class Impl : public std::enable_shared_from_this<Impl> {
  private:
   std::string self_text() const {
     return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
+  }
+
+  // Who this transport's diagnostics name (distrpc/log.hpp): the worker, by name when it has one.
+  std::string log_who() const {
+    return options_.self_name.empty() ? "worker " + std::to_string(options_.self_id)
+                                      : options_.self_name;
+  }
+
+  // A connection refused or closed for what the peer did (one line; the listener goes on).
+  void log_drop(const std::string& remote, const std::string& reason) const {
+    distrpc::detail::log_warning(log_who(),
+                                 "tcp: dropping connection from " + remote + ": " + reason);
   }
 
   wire::Hello my_hello() const {
@@ -586,8 +593,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (stopping_.load() || ec == asio::error::operation_aborted) return;
       if (ec) {
         // EMFILE and friends: keep serving, without spinning on the error.
-        std::fprintf(stderr, "distrpc tcp: %s: accept on %s failed: %s (retrying)\n",
-                     self_text().c_str(), address_.c_str(), ec.message().c_str());
+        distrpc::detail::log_warning(
+            log_who(), "tcp: accept on " + address_ + " failed: " + ec.message() + " (retrying)");
         accept_retry_.expires_after(std::chrono::milliseconds(100));
         accept_retry_.async_wait([this](const asio::error_code& tec) {
           if (!tec && !stopping_.load()) accept_next();
@@ -773,11 +780,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
       return DistNetworkError("distrpc tcp: cannot connect to " + who + ": " + what);
     };
     const HostPort hp = split_host_port(address);
-    const detail::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
+    const net::DialTiming timing{Clock::now(), options_.connect_timeout, options_.refused_retry};
     // The peer may not listen yet (it is starting up): retried, backing off, until the deadline.
-    Fd fd = detail::dial_with_backoff(
+    Fd fd = net::dial_with_backoff(
         timing, stopping_,
-        [&](detail::DialFailure& failure) -> std::optional<Fd> {
+        [&](net::DialFailure& failure) -> std::optional<Fd> {
           const int raw = try_connect(hp, timing.deadline(), failure.text, failure.err);
           if (raw >= 0) return Fd(raw);
           return std::nullopt;
@@ -872,7 +879,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw error(e.what());
     }
     if (const std::string wrong =
-            detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
+            transport::detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
         !wrong.empty()) {
       throw error(wrong);
     }
@@ -891,7 +898,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
 
   // ---- sending (calling thread) --------------------------------------------------------------
 
-  void write_frame(Connection& c, const wire::Message& m) {
+  void write_message(Connection& c, const wire::Message& m) {
     std::lock_guard<std::mutex> lk(c.write_mu);
     if (c.closed.load()) {
       if (stopping_.load()) {
@@ -949,8 +956,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (stopping_.load()) return;
       if (n < 0) {
         if (errno == EINTR) continue;
-        std::fprintf(stderr, "distrpc tcp: %s: epoll_wait failed: %s\n", self_text().c_str(),
-                     errno_text(errno).c_str());
+        distrpc::detail::log_error(log_who(), "tcp: epoll_wait failed: " + errno_text(errno));
         return;
       }
       if (n == 0 || ev.data.u64 == 0) continue;
@@ -959,8 +965,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
           on_readable(c);
         } catch (const std::exception& e) {
           // Handlers catch what they expect; anything else must not take the thread down.
-          std::fprintf(stderr, "distrpc tcp: %s: unexpected error while reading from %s: %s\n",
-                       self_text().c_str(), c->describe().c_str(), e.what());
+          distrpc::detail::log_error(log_who(), "tcp: unexpected error while reading from " +
+                                                    c->describe() + ": " + e.what());
         }
       }
     }
@@ -1000,8 +1006,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         try {
           on_readable(c, /*run_inline=*/false);
         } catch (const std::exception& e) {
-          std::fprintf(stderr, "distrpc tcp: %s: unexpected error while reading from %s: %s\n",
-                       self_text().c_str(), c->describe().c_str(), e.what());
+          distrpc::detail::log_error(log_who(), "tcp: unexpected error while reading from " +
+                                                    c->describe() + ": " + e.what());
         }
       }
     }
@@ -1163,8 +1169,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       callbacks_.on_message(c->peer, std::move(m));
     } catch (const std::exception& e) {
       // The owner's bug, not the peer's: the connection stays.
-      std::fprintf(stderr, "distrpc tcp: on_message for a message from %s threw: %s\n",
-                   c->describe().c_str(), e.what());
+      distrpc::detail::log_error(
+          log_who(), "tcp: on_message for a message from " + c->describe() + " threw: " + e.what());
     }
   }
 
@@ -1235,8 +1241,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     try {
       callbacks_.on_peer_lost(c->peer, reason);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "distrpc tcp: on_peer_lost for %s threw: %s\n", c->describe().c_str(),
-                   e.what());
+      distrpc::detail::log_error(log_who(),
+                                 "tcp: on_peer_lost for " + c->describe() + " threw: " + e.what());
     }
   }
 
@@ -1249,8 +1255,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         return;
       } catch (const std::exception& e) {
         // Handlers catch what they expect; anything else must not take the thread down silently.
-        std::fprintf(stderr, "distrpc tcp: %s: unexpected error on thread %s: %s\n",
-                     self_text().c_str(), thread_name, e.what());
+        distrpc::detail::log_error(log_who(), std::string("tcp: unexpected error on thread ") +
+                                                  thread_name + ": " + e.what());
       }
     }
   }
@@ -1282,7 +1288,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<int> inline_running_{0};  // reading threads now running a handed-back task
 };
 
-}  // namespace tcp_detail
+}  // namespace tcp::detail
 
 // Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it.
 class Tcp::Context {
@@ -1290,7 +1296,7 @@ class Tcp::Context {
   // Listens on options.listen_host (port 0) and starts the listener and reading threads.
   // Throws DistNetworkError when it cannot listen.
   Context(const TransportOptions& options, TransportCallbacks callbacks)
-      : impl_(std::make_shared<tcp_detail::Impl>(options, std::move(callbacks))) {
+      : impl_(std::make_shared<tcp::detail::Impl>(options, std::move(callbacks))) {
     impl_->start();
   }
   ~Context() { shutdown(); }
@@ -1327,7 +1333,7 @@ class Tcp::Context {
   }
 
  private:
-  std::shared_ptr<tcp_detail::Impl> impl_;
+  std::shared_ptr<tcp::detail::Impl> impl_;
 };
 
 static_assert(check_transport<Tcp>());

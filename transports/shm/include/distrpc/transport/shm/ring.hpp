@@ -24,8 +24,9 @@
 #include <string>
 
 #include "distrpc/transport/shm/system.hpp"
+#include "distrpc/wire/errors.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline constexpr std::uint64_t kRingMagic = 0x474e495248535244ull;  // "DRSHRING"
 inline constexpr std::uint32_t kRingVersion = 1;
@@ -48,10 +49,12 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free to work across processes");
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 
-// What was wrong with the shared header, for the log line and on_peer_lost.
-class RingCorrupt : public std::runtime_error {
+// What was wrong with the shared header, for the log line and on_peer_lost. A ProtocolError, as
+// every transport raises for bytes a peer got wrong (wire/errors.hpp): the header is the peer's
+// to write, and the connection cannot be trusted any more.
+class RingCorrupt : public wire::ProtocolError {
  public:
-  using std::runtime_error::runtime_error;
+  using wire::ProtocolError::ProtocolError;
 };
 
 inline void init_ring(char* base, std::uint64_t capacity) {
@@ -244,4 +247,4 @@ class RingReader : public RingBase {
   std::uint64_t last_tail_ = 0;
 };
 
-}  // namespace distrpc::transport::shm_detail
+}  // namespace distrpc::transport::shm::detail

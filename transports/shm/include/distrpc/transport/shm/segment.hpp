@@ -18,8 +18,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,7 +29,7 @@
 
 #include "distrpc/transport/shm/system.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 inline constexpr std::uint64_t kSegmentMagic = 0x4745534d48535244ull;  // "DRSHMSEG"
 inline constexpr std::size_t kSegmentHeaderBytes = 4096;
@@ -212,4 +214,37 @@ inline std::shared_ptr<RecvSegment> adopt_segment(int fd, std::uint32_t id, std:
   return s;
 }
 
-}  // namespace distrpc::transport::shm_detail
+// The error for a record naming segment `id` that the socket did not announce.
+inline wire::ProtocolError never_announced(std::uint32_t id, const std::string& why) {
+  return wire::ProtocolError("a record names segment " + std::to_string(id) +
+                             ", which was never announced (" + why + ")");
+}
+
+// The descriptor of segment `id`, which the writer sent on the socket `sock` just before the
+// record naming it (so it is queued there by now), mapped. Throws ProtocolError.
+inline std::shared_ptr<RecvSegment> receive_announced_segment(int sock, std::uint32_t id,
+                                                              std::uint64_t max_bytes) {
+  Packet pkt;
+  const int r = try_recv_packet(sock, pkt);
+  if (r == EAGAIN) throw never_announced(id, "nothing is queued on the socket");
+  if (r == kPeerClosed) throw never_announced(id, "the socket is closed");
+  if (r != 0) throw never_announced(id, "reading the socket failed: " + errno_text(r));
+  SegmentPacket sp{};
+  if (pkt.data.size() != sizeof sp || pkt.fds.size() != 1) {
+    throw wire::ProtocolError("malformed segment announcement (" +
+                              std::to_string(pkt.data.size()) + " bytes, " +
+                              std::to_string(pkt.fds.size()) + " descriptors)");
+  }
+  std::memcpy(&sp, pkt.data.data(), sizeof sp);
+  if (sp.magic != kSegmentPacketMagic) {
+    throw wire::ProtocolError("segment announcement with a bad magic number");
+  }
+  if (sp.id != id) {
+    throw wire::ProtocolError("the socket announces segment " + std::to_string(sp.id) +
+                              " where the ring's next record names segment " +
+                              std::to_string(id));
+  }
+  return adopt_segment(pkt.fds[0].get(), id, sp.capacity, max_bytes);
+}
+
+}  // namespace distrpc::transport::shm::detail

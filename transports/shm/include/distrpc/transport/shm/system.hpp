@@ -31,25 +31,25 @@
 #include <vector>
 
 #include "distrpc/error.hpp"
-#include "distrpc/transport/detail/errno_text.hpp"
-#include "distrpc/transport/detail/fd.hpp"
-#include "distrpc/transport/detail/wait_fd.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
+#include "distrpc/net/wait_fd.hpp"
 #include "distrpc/wire/errors.hpp"
 
-namespace distrpc::transport::shm_detail {
+namespace distrpc::transport::shm::detail {
 
 using Clock = std::chrono::steady_clock;
 
 // Blocking waits on a calling thread wake this often to notice shutdown().
-inline constexpr int kPollSliceMs = detail::kPollSliceMs;
+inline constexpr int kPollSliceMs = net::kPollSliceMs;
 // MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name, older kernels return EINVAL.
 inline constexpr int kMadvPopulateWrite = 23;
 // Seals every shared region carries: its size is fixed for good, so a peer cannot shrink it under
 // our mapping (which would turn our next access into SIGBUS).
 inline constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
-using detail::errno_text;
-using detail::Fd;
+using net::errno_text;
+using net::Fd;
 
 // A shared mapping, unmapped when the last owner lets go (received tensors are owners too, so a
 // region outlives the connection it came from as long as a tensor uses it).
@@ -192,7 +192,7 @@ inline std::string address_problem(const std::string& address) {
   return {};
 }
 
-using detail::wait_fd;  // distrpc/transport/detail/wait_fd.hpp
+using net::wait_fd;  // distrpc/net/wait_fd.hpp
 
 // Bytes of one control packet at most: a Hello frame (8 KiB bound) and the fixed records.
 inline constexpr std::size_t kMaxPacketBytes = 16 * 1024;
@@ -320,4 +320,10 @@ inline bool memfd_works() {
   return ::fcntl(fd.get(), F_ADD_SEALS, kRequiredSeals) == 0;
 }
 
-}  // namespace distrpc::transport::shm_detail
+// memfd_works(), probed once per process: it cannot change while the process runs.
+inline bool memfd_usable() {
+  static const bool ok = memfd_works();
+  return ok;
+}
+
+}  // namespace distrpc::transport::shm::detail

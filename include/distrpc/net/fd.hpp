@@ -1,12 +1,12 @@
 // An owned file descriptor, shared by the transports (tcp's connect path, shm's sockets, memfds
-// and eventfds): closed when the owner goes, unless released.
+// and eventfds) and TCPStore's client: closed when the owner goes, unless released.
 #pragma once
 
 #include <unistd.h>
 
 #include <utility>
 
-namespace distrpc::transport::detail {
+namespace distrpc::net {
 
 class Fd {
  public:
@@ -36,4 +36,4 @@ class Fd {
   int fd_ = -1;
 };
 
-}  // namespace distrpc::transport::detail
+}  // namespace distrpc::net

@@ -10,7 +10,7 @@
 #include <chrono>
 #include <optional>
 
-namespace distrpc::transport::detail {
+namespace distrpc::net {
 
 // Blocking waits on a calling thread wake this often to notice shutdown().
 inline constexpr int kPollSliceMs = 50;
@@ -38,4 +38,4 @@ inline int wait_fd(int fd, short events,
   }
 }
 
-}  // namespace distrpc::transport::detail
+}  // namespace distrpc::net
