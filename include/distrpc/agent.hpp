@@ -215,6 +215,7 @@ class RpcAgent : public AgentServices,
   // Decodes a reply from worker `from` (decode()) inside every layer's scope.
   void decode_from(int from, FunctionRef<void()> decode) { decode_in_layers(0, from, decode); }
 
+  // Where user callbacks of the futures this agent hands out run: its callback pool.
   auto callback_executor() {
     return [this](std::function<void()> fn) {
       if (!callback_pool_.post(std::move(fn))) {
@@ -408,14 +409,7 @@ class RpcAgent : public AgentServices,
     return calls_.after(delay, std::move(fn));
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
-  detail::ExecutorFn host_user_executor() override {
-    return [this](std::function<void()> fn) {
-      if (!callback_pool_.post(std::move(fn))) {
-        throw RpcError("RPC agent of " + self().str() + " is shut down: callback dropped");
-      }
-    };
-  }
-
+  detail::ExecutorFn host_user_executor() override { return callback_executor(); }
 
   // Before a thread sleeps waiting for `done` (a future this agent handed out, through
   // detail::set_wait_driver): polls it for up to sync_wait_spin, bounded

@@ -37,6 +37,7 @@
 #include "distrpc/transport/shm/detail/listener.hpp"
 #include "distrpc/transport/shm/detail/reader.hpp"
 #include "distrpc/transport/shm/detail/ring_writer.hpp"
+#include "distrpc/transport/detail/impl_context.hpp"
 #include "distrpc/transport/shm/system.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/message.hpp"
@@ -54,71 +55,15 @@ struct Shm {
 };
 
 // Per-agent state of the shared-memory policy. Not copyable or movable: its threads refer to it.
-// (The member functions only forward to shm::detail::Impl; they follow the declaration.)
-class Shm::Context {
+// The concept's calls (transport/detail/impl_context.hpp) forward to shm::detail::Impl. Here: the
+// constructor listens on a fresh abstract Unix socket and starts the listener and I/O threads
+// (DistNetworkError when shared memory or the socket is unusable); address() is the socket's name
+// ("distrpc-shm-<pid>-<random>"); send() writes into the ring to the peer (large buffers into a
+// shared segment); drive() reads only while no other thread does.
+class Shm::Context : public detail::ImplContext<shm::detail::Impl> {
  public:
-  // Listens on a fresh abstract Unix socket and starts the listener and I/O threads. Throws
-  // DistNetworkError when shared memory or the socket is unusable.
-  Context(const TransportOptions& options, TransportCallbacks callbacks);
-  ~Context();
-  Context(const Context&) = delete;
-  Context& operator=(const Context&) = delete;
-
-  // The abstract socket's name ("distrpc-shm-<pid>-<random>"), to publish for peers.
-  std::string address() const;
-
-  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
-  // state, so the next send connects afresh.
-  void add_peer(int id, const std::string& name, const std::string& address);
-
-  // Writes `message` into the ring to worker `peer` from the calling thread (large buffers into a
-  // shared segment), connecting first if needed. Thread-safe; in order per peer. Throws
-  // wire::EncodeError (over the limits, nothing written) or DistNetworkError.
-  void send(int peer, wire::Message&& message);
-
-  // Idempotent: closes every connection, joins the threads; no callback runs after it returns
-  // (except the one it is called from, if any). An I/O thread still running a handed-back task at
-  // `deadline` is abandoned instead (detached; it runs no callback afterwards and exits when the
-  // task returns); returns how many were. Without a deadline: kDefaultShutdownGrace from now.
-  std::size_t shutdown(std::chrono::steady_clock::time_point deadline);
-  void shutdown();
-
-  // Reads on the calling thread while no other thread does, until done() or `until`
-  // (transport.hpp).
-  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
-
- private:
-  std::shared_ptr<shm::detail::Impl> impl_;
+  using ImplContext::ImplContext;
 };
-
-// ---- Shm::Context: forwards to the implementation ---------------------------------------------
-
-inline Shm::Context::Context(const TransportOptions& options, TransportCallbacks callbacks)
-    : impl_(std::make_shared<shm::detail::Impl>(options, std::move(callbacks))) {
-  impl_->start();
-}
-inline Shm::Context::~Context() {
-  shutdown();
-}
-inline std::string Shm::Context::address() const {
-  return impl_->address();
-}
-inline void Shm::Context::add_peer(int id, const std::string& name, const std::string& address) {
-  impl_->add_peer(id, name, address);
-}
-inline void Shm::Context::send(int peer, wire::Message&& message) {
-  impl_->send(peer, message);
-}
-inline std::size_t Shm::Context::shutdown(std::chrono::steady_clock::time_point deadline) {
-  return impl_->shutdown(deadline);
-}
-inline void Shm::Context::shutdown() {
-  shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace);
-}
-inline void Shm::Context::drive(const std::function<bool()>& done,
-                                std::chrono::steady_clock::time_point until) {
-  impl_->drive(done, until);
-}
 
 static_assert(check_transport<Shm>());
 

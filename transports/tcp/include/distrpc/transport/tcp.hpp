@@ -69,6 +69,7 @@
 #include "distrpc/net/fd.hpp"
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
+#include "distrpc/transport/detail/impl_context.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -86,6 +87,22 @@ struct Tcp {
   static std::string domain_key() { return "tcp"; }
   class Context;
 };
+
+namespace tcp::detail {
+class Impl;
+}  // namespace tcp::detail
+
+// Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it. The
+// concept's calls (transport/detail/impl_context.hpp) forward to tcp::detail::Impl. Here:
+// address() is "host:port" of the listener ("[v6]:port" for IPv6 hosts); the constructor listens
+// on options.listen_host (port 0) and starts the listener and reading threads; send() writes the
+// frame, payload and tensor bytes with one gathered write on the calling thread.
+class Tcp::Context : public detail::ImplContext<tcp::detail::Impl> {
+ public:
+  using ImplContext::ImplContext;
+};
+
+// ---- the implementation ------------------------------------------------------------------------
 
 namespace tcp::detail {
 
@@ -1289,52 +1306,6 @@ class Impl : public std::enable_shared_from_this<Impl> {
 };
 
 }  // namespace tcp::detail
-
-// Per-agent state of the TCP policy. Not copyable or movable: its threads refer to it.
-class Tcp::Context {
- public:
-  // Listens on options.listen_host (port 0) and starts the listener and reading threads.
-  // Throws DistNetworkError when it cannot listen.
-  Context(const TransportOptions& options, TransportCallbacks callbacks)
-      : impl_(std::make_shared<tcp::detail::Impl>(options, std::move(callbacks))) {
-    impl_->start();
-  }
-  ~Context() { shutdown(); }
-  Context(const Context&) = delete;
-  Context& operator=(const Context&) = delete;
-
-  // "host:port" of the listener, to publish for peers ("[v6]:port" for IPv6 hosts).
-  std::string address() const { return impl_->address(); }
-
-  // Records where worker `id` listens. Calling it again (a restarted peer) also clears a lost
-  // state, so the next send connects afresh.
-  void add_peer(int id, const std::string& name, const std::string& address) {
-    impl_->add_peer(id, name, address);
-  }
-
-  // Writes `message` to worker `peer` from the calling thread, connecting first if needed.
-  // Thread-safe; frames to one peer keep the order of the calls. Throws wire::EncodeError (over
-  // the limits, nothing written) or DistNetworkError (cannot connect, connection lost).
-  void send(int peer, wire::Message&& message) { impl_->send(peer, std::move(message)); }
-
-  // Idempotent: stops accepting, closes every connection, joins the threads; no callback runs
-  // after it returns (except the one it is called from, if any). A reading thread still running a
-  // handed-back task at `deadline` is abandoned instead (detached; it runs no callback afterwards
-  // and exits when the task returns); returns how many were. Without a deadline:
-  // kDefaultShutdownGrace from now.
-  std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
-    return impl_->shutdown(deadline);
-  }
-  void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
-
-  // Reads on the calling thread, never sleeping, until done() or `until` (transport.hpp).
-  void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    impl_->drive(done, until);
-  }
-
- private:
-  std::shared_ptr<tcp::detail::Impl> impl_;
-};
 
 static_assert(check_transport<Tcp>());
 

@@ -1,0 +1,249 @@
+// TCPStore's client side: one blocking socket per connection, dialled with backoff, each request
+// answered before the next (a store object keeps a small pool of them).
+#pragma once
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "distrpc/log.hpp"
+#include "distrpc/net/dial.hpp"
+#include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/fd.hpp"
+#include "distrpc/store/detail/common.hpp"
+#include "distrpc/store/store.hpp"
+
+#include "distrpc/store/detail/tcp_store_protocol.hpp"
+
+namespace distrpc::store::detail {
+// ------------------------------------------------------------------------------------------------
+// The client side: one blocking socket per connection.
+
+// The server went away (EOF, reset): every later operation of the object fails fast.
+class ConnectionLost : public DistNetworkError {
+ public:
+  using DistNetworkError::DistNetworkError;
+};
+
+class Connection {
+ public:
+  // Connects, retrying until `timeout` (the server may start later), then shakes hands.
+  Connection(const std::string& host, int port, bool primary, std::chrono::milliseconds timeout)
+      : where_(host_port(host, port)) {
+    const Deadline deadline(timeout);
+    // The server may start later: a refusal is retried like any failure until the deadline (none
+    // with kNoTimeout), and nothing stops the loop early (a store has no shutdown flag).
+    static const std::atomic<bool> kNeverStopped{false};
+    const net::DialTiming timing{.start = deadline.at() - timeout,
+                                 .connect_timeout = timeout,
+                                 .refused_retry = std::chrono::milliseconds::max(),
+                                 .first_backoff = std::chrono::milliseconds(5),
+                                 .max_backoff = std::chrono::milliseconds(200),
+                                 .unbounded = deadline.infinite()};
+    fd_ = net::dial_with_backoff(
+        timing, kNeverStopped,
+        [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure.text); },
+        [&](const net::DialGiveUp& end) {
+          return DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
+                                  std::to_string(timeout.count()) +
+                                  " ms (last error: " + end.last.text + ")");
+        });
+    begin_frame(out_, kHello);
+    put_le<std::uint32_t>(out_, kMagic);
+    put_le<std::uint16_t>(out_, kVersion);
+    put_u8(out_, primary ? kPrimaryFlag : 0);
+    try {
+      Reader r = call(deadline, [] { return std::string("the handshake"); });
+      if (status_ != kOk) {
+        throw DistNetworkError("TCPStore: " + where_ + " refused the handshake: " + r.str("text"));
+      }
+      r.le<std::uint16_t>("version");
+    } catch (const std::exception& e) {
+      fd_.reset();
+      if (dynamic_cast<const DistNetworkError*>(&e)) throw;
+      throw DistNetworkError("TCPStore: " + where_ +
+                             " did not complete the TCPStore handshake: " + e.what());
+    }
+  }
+
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // The request buffer; begin_frame(out(), op) then the fields.
+  Buffer& out() { return out_; }
+  std::uint8_t status() const { return status_; }
+  // True once the connection is out of step with the server (a reply never came); not reusable.
+  bool broken() const { return broken_; }
+
+  // Sends out() and reads one reply; returns a reader over its fields (valid until the next call).
+  // Throws ConnectionLost when the server goes away, StoreTimeoutError past the deadline.
+  // `describe()` names the operation in error texts; it is only called when one is thrown, so the
+  // fast path builds no strings.
+  template <class Describe>
+  Reader call(const Deadline& deadline, const Describe& describe) {
+    end_frame(out_);
+    send_all(deadline, describe);
+    return receive(deadline, describe);
+  }
+
+ private:
+  // One attempt per resolved address; nullopt with `last_error` set when none answers.
+  static std::optional<net::Fd> try_connect(const std::string& host, int port,
+                                            const Deadline& deadline, std::string& last_error) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const std::string service = std::to_string(port);
+    const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+    if (rc != 0) {
+      last_error = std::string("cannot resolve host: ") + ::gai_strerror(rc);
+      return std::nullopt;
+    }
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
+    net::Fd fd;
+    for (addrinfo* a = res; a && !fd; a = a->ai_next) {
+      net::Fd s(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+      if (!s) {
+        last_error = net::errno_text(errno);
+        continue;
+      }
+      int err = 0;
+      if (::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS) {
+          // Bounded per attempt so a black-holed address is retried rather than waited on.
+          int wait_ms = 1000;
+          if (!deadline.infinite()) {
+            wait_ms = static_cast<int>(std::min<long>(1000, deadline.remaining().count()));
+          }
+          pollfd p{s.get(), POLLOUT, 0};
+          const int pr = ::poll(&p, 1, wait_ms);
+          socklen_t len = sizeof err;
+          if (pr == 1) {
+            ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          } else {
+            err = pr == 0 ? ETIMEDOUT : errno;
+          }
+        }
+      }
+      if (err != 0) {
+        last_error = net::errno_text(err);
+        continue;  // `s` closes
+      }
+      fd = std::move(s);
+    }
+    if (!fd) return std::nullopt;
+    // Blocking from here on; the 100 ms socket timeouts only let a blocked call look at its
+    // deadline.
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+    int one = 1;
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    timeval tick{0, 100'000};
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tick, sizeof tick);
+    return fd;
+  }
+
+  [[noreturn]] void lost(const std::string& what, const std::string& why) {
+    broken_ = true;
+    throw ConnectionLost("TCPStore: the connection to the server at " + where_ +
+                         " was lost during " + what + ": " + why);
+  }
+
+  [[noreturn]] void no_answer(const std::string& what) {
+    broken_ = true;
+    throw StoreTimeoutError("TCPStore(" + where_ + "): Timeout: no answer from the server within " +
+                            "the deadline of " + what);
+  }
+
+  template <class Describe>
+  void send_all(const Deadline& deadline, const Describe& what) {
+    std::size_t done = 0;
+    while (done < out_.size()) {
+      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+      if (n >= 0) {
+        done += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (deadline.expired()) no_answer(what());
+        continue;
+      }
+      lost(what(), net::errno_text(errno));
+    }
+  }
+
+  template <class Describe>
+  Reader receive(const Deadline& deadline, const Describe& what) {
+    std::size_t have = 0;
+    std::size_t need = 5;  // length and status
+    if (in_.size() < 4096) in_.resize(4096);
+    for (;;) {
+      if (have >= 4) {
+        const std::size_t len = read_le32(in_.data());
+        if (len == 0 || len > kMaxFrameBytes) {
+          broken_ = true;
+          throw DistNetworkError("TCPStore: malformed reply from " + where_ + " during " + what() +
+                                 " (frame length " + std::to_string(len) + ")");
+        }
+        need = 4 + len;
+        if (have >= need) break;
+        if (in_.size() < need) in_.resize(need);
+      }
+      const ssize_t n = ::recv(fd_.get(), in_.data() + have, in_.size() - have, 0);
+      if (n > 0) {
+        have += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (n == 0) lost(what(), "the server closed the connection");
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (deadline.expired()) no_answer(what());
+        continue;
+      }
+      lost(what(), net::errno_text(errno));
+    }
+    if (have != need) {
+      // The server never sends ahead of a request.
+      broken_ = true;
+      throw DistNetworkError("TCPStore: " + where_ + " sent more than one reply during " + what());
+    }
+    status_ = in_[4];
+    return Reader(in_.data() + 5, need - 5);
+  }
+
+  std::string where_;
+  net::Fd fd_;
+  Buffer out_;
+  Buffer in_;
+  std::uint8_t status_ = 0;
+  bool broken_ = false;
+};
+
+}  // namespace distrpc::store::detail
