@@ -35,6 +35,7 @@ distrpc::Future<at::Tensor> add_via_next(at::Tensor a, int hops) {
 int worker(int rank, int world, const std::string& init) {
   distrpc::RpcBackendOptions opts;
   opts.init_method = init;
+  opts.builtin_operators = {"aten::mul"};  // peers may run this ATen operator here by name
   const std::string me = "worker" + std::to_string(rank);
   distrpc::init_rpc<distrpc::transport::Tcp>(me, rank, world, opts);
   const int next = (rank + 1) % world;

@@ -124,6 +124,27 @@ TEST_CASE("Future: value, done, has_value, try_value") {
   CHECK(&copy.value() == &f.value());
 }
 
+TEST_CASE("Future: PyTorch's names: wait() returns the value, set_result() completes") {
+  Future<int> f;
+  std::thread t([f] { f.set_result(41); });
+  CHECK(f.wait() == 41);  // torch.futures.Future.wait() returns the result
+  t.join();
+  CHECK_THROWS_WITH(f.set_result(1), doctest::Contains("Future can only be marked completed once"));
+  CHECK(f.wait() == 41);
+
+  Future<std::string> failed;
+  failed.set_exception(std::make_exception_ptr(std::runtime_error("no result")));
+  CHECK_THROWS_WITH_AS(failed.wait(), "no result", std::runtime_error);
+
+  Future<void> done;
+  done.set_result();
+  done.wait();
+  CHECK(done.has_value());
+  // Through the type-erased handle wait() still only waits (and rethrows).
+  const FutureBase& base = failed;
+  CHECK_THROWS_AS(base.wait(), std::runtime_error);
+}
+
 TEST_CASE("Future: wait_for wakes when another thread completes the future") {
   Future<std::string> f;
   std::thread t([f] {

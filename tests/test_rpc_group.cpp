@@ -62,6 +62,7 @@ std::string fresh_url() {
 distrpc::RpcBackendOptions options(const std::string& url) {
   distrpc::RpcBackendOptions o;
   o.init_method = url;
+  o.builtin_operators = {"aten::add"};  // every overload of add, nothing else
   o.rpc_timeout = 20s;
   o.init_timeout = 20s;
   return o;
@@ -136,9 +137,14 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   CHECK(refused_back.find("function 'group_test::mul' is not registered on WorkerInfo(id=1, "
                           "name=trainer)") != std::string::npos);
 
-  // The library's own functions are served whatever the registry: builtin operators.
+  // The library's own functions are served whatever the registry: builtin operators, those the
+  // callee allows.
   auto sum = trainer.rpc_sync("ps", "aten::add.Tensor", {at::ones({2}), at::ones({2})});
   CHECK(at::equal(sum.toTensor(), at::full({2}, 2.0f)));
+  CHECK(error_of([&] { (void)trainer.rpc_sync("ps", "aten::mul.Tensor", {x, x}); }) ==
+        "builtin operator 'aten::mul.Tensor' is not allowed on WorkerInfo(id=0, name=ps): a "
+        "worker runs only the operators listed in its RpcBackendOptions::builtin_operators (e.g. "
+        "{\"aten::mul\"}, or \"*\" for any)");
 
   // The group protocol runs per agent.
   auto gathered = std::async(std::launch::async, [&] { return ps.all_gather(10); });
@@ -231,4 +237,47 @@ TEST_CASE("Diagnostics go to the log sink, naming the worker; an empty sink rest
     }
   }
   CHECK(found == 1);
+}
+
+namespace group_test {
+int exposed_triple(int x) {
+  return 3 * x;
+}
+int called_only(int x) {
+  return x + 1;
+}
+}  // namespace group_test
+DISTRPC_REGISTER(group_test::exposed_triple);
+
+TEST_CASE("Who can call what: serve_exposed_only, and no builtin operators by default") {
+  const auto url = fresh_url();
+  auto strict = [&] {
+    auto o = options(url);
+    o.serve_exposed_only = true;
+    o.builtin_operators.clear();  // the default: none
+    return o;
+  };
+  auto server = std::async(std::launch::async,
+                           [&] { return RpcGroup::join<Tcp>("server", 0, 2, strict()); });
+  RpcGroup client = RpcGroup::join<Tcp>("client", 1, 2, options(url));
+  REQUIRE(server.wait_for(30s) == std::future_status::ready);
+  RpcGroup s = server.get();
+
+  // Exposed with DISTRPC_REGISTER: served. Registered only because this binary calls it: refused.
+  CHECK(client.rpc_sync<&group_test::exposed_triple>("server", 5) == 15);
+  CHECK(error_of([&] { (void)client.rpc_sync<&group_test::called_only>("server", 5); }) ==
+        "function 'group_test::called_only' is not exposed on WorkerInfo(id=0, name=server): this "
+        "worker serves only the functions it exposes (RpcBackendOptions::serve_exposed_only); "
+        "expose it there with DISTRPC_REGISTER(group_test::called_only)");
+  // The default worker (the client) serves both.
+  CHECK(s.rpc_sync<&group_test::called_only>("client", 5) == 6);
+  // No operator by name on a worker that lists none; the library's own functions still work.
+  CHECK(error_of([&] { (void)client.rpc_sync("server", "aten::add.Tensor", {1, 2}); })
+            .find("builtin operator 'aten::add.Tensor' is not allowed on WorkerInfo(id=0, "
+                  "name=server)") == 0);
+  auto both = std::async(std::launch::async, [&] { return s.all_gather(std::string("s")); });
+  CHECK(client.all_gather(std::string("c")).size() == 2);
+  REQUIRE(both.wait_for(30s) == std::future_status::ready);
+  CHECK(both.get().at("client") == "c");
+  shutdown_pair(s, client);
 }

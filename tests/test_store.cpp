@@ -1162,6 +1162,66 @@ TEST_CASE("rendezvous: env:// names the missing or bad variable") {
   CHECK(r.store->get_string("k") == "v");
 }
 
+TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
+  EnvGuard env;
+  const char* all[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                       "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+                       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
+  for (const char* n : all) env.set(n, nullptr);
+  env.set("MASTER_ADDR", "127.0.0.1");
+  env.set("MASTER_PORT", "0");  // rank 0 hosts the store on a free port
+
+  SUBCASE("none set: the error names every variable it tried") {
+    CHECK(contains(rendezvous_error("env://", -1, -1),
+                   "environment variable RANK expected, but not set (nor SLURM_PROCID or "
+                   "OMPI_COMM_WORLD_RANK, as srun and mpirun set)"));
+    env.set("RANK", "0");
+    CHECK(contains(rendezvous_error("env://", -1, -1),
+                   "environment variable WORLD_SIZE expected, but not set (nor SLURM_NTASKS or "
+                   "OMPI_COMM_WORLD_SIZE, as srun and mpirun set)"));
+  }
+  SUBCASE("SLURM: srun's variables") {
+    env.set("SLURM_PROCID", "0");
+    env.set("SLURM_NTASKS", "1");
+    env.set("SLURM_LOCALID", "0");
+    env.set("SLURM_NTASKS_PER_NODE", "1");
+    auto r = ds::rendezvous("env://", -1, -1, 5s);
+    CHECK(r.rank == 0);
+    CHECK(r.world_size == 1);
+    CHECK(r.local_rank == 0);
+    CHECK(r.local_world_size == 1);
+  }
+  SUBCASE("Open MPI: mpirun's variables") {
+    env.set("OMPI_COMM_WORLD_RANK", "0");
+    env.set("OMPI_COMM_WORLD_SIZE", "1");
+    env.set("OMPI_COMM_WORLD_LOCAL_RANK", "0");
+    env.set("OMPI_COMM_WORLD_LOCAL_SIZE", "1");
+    auto r = ds::rendezvous("env://", -1, -1, 5s);
+    CHECK(r.rank == 0);
+    CHECK(r.world_size == 1);
+    CHECK(r.local_rank == 0);
+    CHECK(r.local_world_size == 1);
+  }
+  SUBCASE("torchrun's names come first; local values are optional") {
+    env.set("RANK", "0");
+    env.set("WORLD_SIZE", "1");
+    env.set("SLURM_PROCID", "5");  // a job step inside an allocation: torchrun's names win
+    env.set("SLURM_NTASKS", "9");
+    auto r = ds::rendezvous("env://", -1, -1, 5s);
+    CHECK(r.rank == 0);
+    CHECK(r.world_size == 1);
+    CHECK(r.local_rank == -1);
+    CHECK(r.local_world_size == -1);
+    env.set("LOCAL_RANK", "3");
+    env.set("LOCAL_WORLD_SIZE", "2");
+    CHECK(contains(rendezvous_error("env://"),
+                   "rendezvous 'env://': local rank 3 is not below the local world size 2"));
+    env.set("LOCAL_RANK", "one");
+    CHECK(contains(rendezvous_error("env://"), "LOCAL_RANK='one' is not an integer"));
+  }
+}
+
 TEST_CASE("finalize_rendezvous: rank 0 waits for every rank, and times out saying how many") {
   auto hash = std::make_shared<ds::HashStore>();
   std::atomic<bool> rank0_done{false};

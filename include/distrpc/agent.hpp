@@ -638,6 +638,13 @@ class RpcAgent : public AgentServices,
                        ": register it there with DISTRPC_REGISTER(" + h.name +
                        ") or build both sides from the same source");
       }
+      if (options_.serve_exposed_only && !entry->exposed && !entry->library) {
+        throw RpcError("function '" + h.name + "' is not exposed on " + self().str() +
+                       ": this worker serves only the functions it exposes "
+                       "(RpcBackendOptions::serve_exposed_only); expose it there with "
+                       "DISTRPC_REGISTER(" +
+                       h.name + ")");
+      }
       if (entry->signature != h.signature) {
         throw RpcError("signature mismatch for function '" + h.name + "' on " + self().str() +
                        ": the callee's is '" + entry->signature_text +

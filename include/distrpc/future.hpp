@@ -511,9 +511,11 @@ class [[nodiscard]] Future : public FutureBase {
 
   // Waits; returns the value (const T&, valid while any handle to this future lives) or rethrows.
   detail::value_ref_t<T> value() const {
-    wait();
+    FutureBase::wait();
     if constexpr (!std::is_void_v<T>) return *typed().value;
   }
+  // PyTorch's name for value(): torch.futures.Future.wait() returns the result.
+  detail::value_ref_t<T> wait() const { return value(); }
   // Non-blocking, non-throwing: the value if it is there, else nullptr.
   const T* try_value() const noexcept requires(!std::is_void_v<T>) {
     return has_value() ? &*typed().value : nullptr;
@@ -528,6 +530,12 @@ class [[nodiscard]] Future : public FutureBase {
   template <class U = T>
   requires(!std::is_void_v<T> && std::constructible_from<T, U&&>) void set_value(U&& v) const {
     if (!try_set_value(std::forward<U>(v))) detail::throw_completed_twice();
+  }
+  // PyTorch's name for set_value() (torch.futures.Future.set_result).
+  void set_result() const requires std::is_void_v<T> { set_value(); }
+  template <class U = T>
+  requires(!std::is_void_v<T> && std::constructible_from<T, U&&>) void set_result(U&& v) const {
+    set_value(std::forward<U>(v));
   }
   // False (and no effect) if already complete.
   template <class U = T>

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "distrpc/bounded_thread.hpp"
 
@@ -43,6 +44,13 @@ struct RpcBackendOptions {
   std::chrono::milliseconds shutdown_grace = kDefaultShutdownGrace;
   // device_maps[worker][src] = dst, for CUDA tensors (see docs/rpc.md).
   std::map<std::string, std::map<std::string, std::string>> device_maps;
+  // What peers may run here (docs/rpc.md, "Who can call what"). false (SPMD programs): every
+  // registered function, also those registered because this binary calls them. true: only the
+  // functions exposed explicitly (DISTRPC_REGISTER, Registry::add) and the library's own.
+  bool serve_exposed_only = false;
+  // The builtin ATen operators peers may run here by schema name: "aten::add.Tensor" (one
+  // overload), "aten::add" (all of its overloads), "*" (any operator). Empty (the default): none.
+  std::vector<std::string> builtin_operators;
 };
 
 }  // namespace distrpc

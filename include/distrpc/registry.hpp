@@ -75,6 +75,9 @@ struct RegistryEntry {
   BoxedHandler boxed_handler;
   // One of the library's own (namespace distrpc): served by every agent, whatever its registry.
   bool library = false;
+  // Exposed explicitly (DISTRPC_REGISTER, Registry::add), not only registered because this binary
+  // calls it: what a worker with RpcBackendOptions::serve_exposed_only serves.
+  bool exposed = false;
 };
 
 // True for the library's own functions (the group protocol, builtin operators, RRef proxies and
@@ -111,12 +114,17 @@ class Registry {
     return r;
   }
 
+  // `exposed`: see RegistryEntry; once exposed, a function stays exposed when its call sites
+  // register it again.
   void add(std::string name, std::uint64_t signature, std::string signature_text,
-           detail::Handler handler, detail::BoxedHandler boxed_handler = {}, bool library = false) {
+           detail::Handler handler, detail::BoxedHandler boxed_handler = {}, bool library = false,
+           bool exposed = true) {
     std::lock_guard<std::mutex> lk(mu_);
-    entries_[std::move(name)] =
-        detail::RegistryEntry{signature, std::move(signature_text), std::move(handler),
-                              std::move(boxed_handler), library};
+    auto& e = entries_[std::move(name)];
+    const bool was_exposed = e.exposed;
+    e = detail::RegistryEntry{signature,        std::move(signature_text),
+                              std::move(handler), std::move(boxed_handler),
+                              library,          exposed || was_exposed};
   }
 
   std::optional<detail::RegistryEntry> find(const std::string& name) const {
@@ -237,7 +245,7 @@ struct Registrar {
   static bool add() {
     Registry::instance().add(std::string(function_name<F>()), signature_hash<F>(),
                              std::string(type_name<decltype(F)>()), &invoke<F>, &invoke_boxed<F>,
-                             is_library_function<F>());
+                             is_library_function<F>(), /*exposed=*/false);
     return true;
   }
   // Odr-using this from a call site instantiates it: the binary that calls F also serves F.
@@ -247,6 +255,14 @@ struct Registrar {
 template <auto F>
 void ensure_registered() {
   (void)Registrar<F>::registered;
+}
+
+// DISTRPC_REGISTER(F): registered and exposed.
+template <auto F>
+bool expose() {
+  ensure_registered<F>();
+  Registry::instance().add<F>();
+  return true;
 }
 
 }  // namespace detail
@@ -267,4 +283,4 @@ void Registry::add() {
 // Registers `fn` (a function or static member function) so peers may call it on this worker.
 #define DISTRPC_REGISTER(fn)                                                        \
   [[maybe_unused]] static const bool DISTRPC_REGISTER_CAT(distrpc_reg_, __LINE__) = \
-      (::distrpc::detail::ensure_registered<&fn>(), true)
+      ::distrpc::detail::expose<&fn>()

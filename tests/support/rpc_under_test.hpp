@@ -18,7 +18,8 @@ std::string transport_under_test();
 // The transport names this test build was compiled with (tcp always; shm/auto where built).
 std::vector<std::string> compiled_transports();
 
-// distrpc::init_rpc<T>(name, rank, world, opts) with T the transport under test.
+// distrpc::init_rpc<T>(name, rank, world, opts) with T the transport under test (every builtin
+// operator allowed when opts lists none).
 void init_rpc_under_test(const std::string& name, int rank, int world, const RpcBackendOptions& o);
 
 }  // namespace distrpc::testing

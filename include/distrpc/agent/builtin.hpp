@@ -10,11 +10,33 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/agent.hpp"
+#include "distrpc/rpc_error.hpp"
+
 namespace distrpc::detail {
+
+// A peer may run an operator by name only if the agent running it allows it
+// (RpcBackendOptions::builtin_operators): by its full schema name, by its name without the
+// overload, or "*" for any. Operators can touch files and devices: none are allowed by default.
+inline void check_builtin_allowed(const std::string& schema) {
+  const RpcAgent* agent = tls_current_agent;
+  const std::string op = schema.substr(0, schema.find('.'));
+  if (agent != nullptr) {
+    for (const auto& allowed : agent->options().builtin_operators) {
+      if (allowed == "*" || allowed == schema || allowed == op) return;
+    }
+  }
+  throw RpcError("builtin operator '" + schema + "' is not allowed on " +
+                 (agent != nullptr ? agent->self().str() : std::string("this worker")) +
+                 ": a worker runs only the operators listed in its "
+                 "RpcBackendOptions::builtin_operators (e.g. {\"" + op +
+                 "\"}, or \"*\" for any)");
+}
 
 // Runs the ATen operator `schema` ("aten::add.Tensor", or "aten::add" for the overload "")
 // through the dispatcher. Defaults fill missing trailing arguments.
 inline c10::IValue run_builtin(std::string schema, std::vector<c10::IValue> args) {
+  check_builtin_allowed(schema);
   std::string op = schema, overload;
   if (auto dot = schema.find('.'); dot != std::string::npos) {
     op = schema.substr(0, dot);

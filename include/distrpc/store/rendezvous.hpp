@@ -6,6 +6,8 @@
 //   file:///absolute/path[?rank=R&world_size=N]   a FileStore, removed by the last of N ranks
 //   env://                                  MASTER_ADDR and MASTER_PORT name the TCP server;
 //                                           RANK and WORLD_SIZE are read when the arguments are -1
+//                                           (else what SLURM's srun or Open MPI's mpirun set), and
+//                                           LOCAL_RANK / LOCAL_WORLD_SIZE likewise when present
 //
 // The server-lifetime rule: the process hosting the TCP server (rank 0) must outlive every client,
 // or a client still talking to it fails with "connection ... lost". finalize_rendezvous() enforces
@@ -31,6 +33,10 @@ struct RendezvousResult {
   std::shared_ptr<Store> store;
   int rank = -1;
   int world_size = -1;
+  // env:// only, from the launcher's variables (LOCAL_RANK, SLURM_LOCALID, ...); -1 when unknown.
+  // The rank and count of this process among those of its host (e.g. which GPU to use).
+  int local_rank = -1;
+  int local_world_size = -1;
 };
 
 namespace detail {
@@ -110,6 +116,41 @@ inline std::string env_or_throw(const char* name) {
   return v;
 }
 
+// The variables that carry one value under each launcher, first the torchrun / PyTorch name. A
+// value is taken from the first one set.
+struct EnvNames {
+  const char* torch;
+  const char* slurm;
+  const char* open_mpi;
+};
+inline constexpr EnvNames kRankVars{"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"};
+inline constexpr EnvNames kWorldVars{"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"};
+inline constexpr EnvNames kLocalRankVars{"LOCAL_RANK", "SLURM_LOCALID",
+                                         "OMPI_COMM_WORLD_LOCAL_RANK"};
+inline constexpr EnvNames kLocalWorldVars{"LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE",
+                                          "OMPI_COMM_WORLD_LOCAL_SIZE"};
+
+// The first of `names` that is set, or null.
+inline const char* first_set(const EnvNames& names) {
+  for (const char* n : {names.torch, names.slurm, names.open_mpi}) {
+    if (const char* v = std::getenv(n); v != nullptr && *v != '\0') return n;
+  }
+  return nullptr;
+}
+
+inline int env_int(const char* name, long long lo, long long hi);
+
+// The value of the first of `names` that is set; none set: an error naming them all (required),
+// or -1.
+inline int env_launcher_int(const EnvNames& names, long long lo, long long hi, bool required) {
+  if (const char* n = first_set(names)) return env_int(n, lo, hi);
+  if (!required) return -1;
+  throw DistError(std::string("Error initializing distrpc using env:// rendezvous: environment "
+                              "variable ") +
+                  names.torch + " expected, but not set (nor " + names.slurm + " or " +
+                  names.open_mpi + ", as srun and mpirun set)");
+}
+
 inline int env_int(const char* name, long long lo, long long hi) {
   const std::string v = env_or_throw(name);
   int out = 0;
@@ -156,10 +197,20 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     const int port = detail::env_int("MASTER_PORT", 0, 65535);
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
-    if (rank < 0) rank = detail::env_int("RANK", 0, 1 << 30);
-    if (world_size < 0) world_size = detail::env_int("WORLD_SIZE", 1, 1 << 30);
+    if (rank < 0) rank = detail::env_launcher_int(detail::kRankVars, 0, 1 << 30, true);
+    if (world_size < 0) {
+      world_size = detail::env_launcher_int(detail::kWorldVars, 1, 1 << 30, true);
+    }
     detail::check_rank(url, rank, world_size);
-    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size};
+    const int local_rank = detail::env_launcher_int(detail::kLocalRankVars, 0, 1 << 30, false);
+    const int local_world =
+        detail::env_launcher_int(detail::kLocalWorldVars, 1, 1 << 30, false);
+    if (local_rank >= 0 && local_world >= 0 && local_rank >= local_world) {
+      throw DistError("rendezvous '" + url + "': local rank " + std::to_string(local_rank) +
+                      " is not below the local world size " + std::to_string(local_world));
+    }
+    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size,
+            local_rank, local_world};
   }
 
   if (scheme == "tcp") {
