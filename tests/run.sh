@@ -98,7 +98,7 @@ else
   failed=$((failed + 1)); echo "   FAILED"; cat "$logdir/layering.log"
 fi
 
-echo "== consumer (distrpc as a Meson subproject)"
+echo "== consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config)"
 if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else
