@@ -70,6 +70,7 @@
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
+#include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -498,15 +499,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
   }
 
  private:
-  std::string self_text() const {
-    return "worker " + std::to_string(options_.self_id) + " ('" + options_.self_name + "')";
-  }
-
-  // Who this transport's diagnostics name (distrpc/log.hpp): the worker, by name when it has one.
-  std::string log_who() const {
-    return options_.self_name.empty() ? "worker " + std::to_string(options_.self_id)
-                                      : options_.self_name;
-  }
+  std::string self_text() const { return transport::detail::worker_text(options_); }
+  std::string log_who() const { return transport::detail::log_who(options_); }
 
   // A connection refused or closed for what the peer did (one line; the listener goes on).
   void log_drop(const std::string& remote, const std::string& reason) const {
@@ -514,14 +508,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
                                  "tcp: dropping connection from " + remote + ": " + reason);
   }
 
-  wire::Hello my_hello() const {
-    wire::Hello h;
-    h.protocol_version = wire::kProtocolVersion;
-    h.worker_name = options_.self_name;
-    h.worker_id = options_.self_id;
-    h.auth_token = token_;
-    return h;
-  }
+  wire::Hello my_hello() const { return transport::detail::make_hello(options_, token_); }
 
   std::shared_ptr<Peer> peer_entry(int id) {
     std::lock_guard<std::mutex> lk(mu_);
