@@ -98,6 +98,17 @@ else
   failed=$((failed + 1)); echo "   FAILED"; cat "$logdir/layering.log"
 fi
 
+echo "== two hosts (network namespaces, else extra addresses on lo: tests/hosts/check.sh)"
+timeout 300 bash tests/hosts/check.sh build >"$logdir/hosts.log" 2>&1
+rc=$?
+if [ $rc -eq 0 ]; then
+  passed=$((passed + 1)); echo "   $(tail -1 "$logdir/hosts.log")"
+elif [ $rc -eq 77 ]; then
+  echo "   $(tail -1 "$logdir/hosts.log")"
+else
+  failed=$((failed + 1)); echo "   FAILED"; tail -60 "$logdir/hosts.log"
+fi
+
 echo "== consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config)"
 if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"

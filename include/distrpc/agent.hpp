@@ -841,7 +841,8 @@ class Agent final : public RpcAgent {
     transport::TransportOptions o;
     o.self_id = self().id;
     o.self_name = self().name;
-    o.listen_host = options().listen_host;
+    o.listen_host = options().listen_host.empty() ? o.listen_host : options().listen_host;
+    o.advertise_host = options().advertise_host;
     o.auth_token = options().auth_token;
     o.limits.max_message_bytes = options().max_message_bytes;
     o.connect_timeout = options().init_timeout;

@@ -27,8 +27,21 @@ struct RpcBackendOptions {
   int num_worker_threads = 16;
   // Timeout of the rendezvous (store operations during init).
   std::chrono::milliseconds init_timeout{std::chrono::seconds(120)};
-  // Address the transport listens on. Loopback by default: exposing a port is a deliberate choice.
-  std::string listen_host = "127.0.0.1";
+  // Where this worker listens and what address it publishes to its peers (docs/rpc.md, "Many
+  // hosts"). All empty (the default) chooses by where the group meets: a rendezvous host on
+  // loopback (or a file:// store) keeps the worker on loopback; any other rendezvous host means
+  // many hosts, and the worker listens on, and publishes, its address on the route to that host.
+  // Each is also read from the environment when left empty here.
+  //  - interface (DISTRPC_SOCKET_IFNAME, or PyTorch's TP_SOCKET_IFNAME): listen on the address of
+  //    this network interface ("eth0", "ib0") and publish it;
+  //  - listen_host (DISTRPC_LISTEN_ADDR): listen on this address; "0.0.0.0" or "::" means every
+  //    interface, publishing the address on the route to the rendezvous host;
+  //  - advertise_host (DISTRPC_ADVERTISE_ADDR): publish this address instead (NAT, containers).
+  // A worker that would publish a loopback address to a group whose rendezvous host is another
+  // machine fails at init_rpc, saying what to set.
+  std::string interface;
+  std::string listen_host;
+  std::string advertise_host;
   // Optional shared secret: connections presenting another token are dropped at the handshake.
   std::string auth_token;
   // Largest message (payload plus tensors) sent or accepted, in bytes.

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -11,6 +13,8 @@
 #include <utility>
 
 #include "distrpc/agent.hpp"
+#include "distrpc/log.hpp"
+#include "distrpc/net/interfaces.hpp"
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rpc_error.hpp"
@@ -64,6 +68,34 @@ inline std::shared_ptr<RpcAgent> current_agent() {
   return runtime_agent();
 }
 
+// A setting left empty in the options is read from the environment (the first variable set).
+inline std::string option_or_env(const std::string& option,
+                                 std::initializer_list<const char*> vars) {
+  if (!option.empty()) return option;
+  for (const char* v : vars) {
+    if (const char* value = std::getenv(v); value != nullptr && *value != '\0') return value;
+  }
+  return {};
+}
+
+// Where worker `name` listens and what it publishes (RpcBackendOptions::interface, listen_host,
+// advertise_host; net::choose_endpoint has the rule), given where its group met.
+inline net::Endpoint choose_worker_endpoint(const std::string& name,
+                                            const RpcBackendOptions& options,
+                                            const store::RendezvousResult& rdzv) {
+  net::EndpointRequest r;
+  r.interface = option_or_env(options.interface, {"DISTRPC_SOCKET_IFNAME", "TP_SOCKET_IFNAME"});
+  r.listen_host = option_or_env(options.listen_host, {"DISTRPC_LISTEN_ADDR"});
+  r.advertise_host = option_or_env(options.advertise_host, {"DISTRPC_ADVERTISE_ADDR"});
+  r.store_host = rdzv.store_host;
+  r.store_port = rdzv.store_port;
+  try {
+    return net::choose_endpoint(r);
+  } catch (const net::AddressError& e) {
+    throw RpcError("init_rpc: worker '" + name + "': " + e.what());
+  }
+}
+
 // Checks the options, meets the group through options.init_method and starts an agent on
 // transport policy T that runs what `registry` holds (null: the process's registry).
 template <class T>
@@ -88,8 +120,15 @@ std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int wor
                                 std::to_string(options.shutdown_grace.count()) + " ms");
   }
   auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
-  auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size, options,
-                                          std::move(registry));
+  const net::Endpoint endpoint = choose_worker_endpoint(name, options, rdzv);
+  RpcBackendOptions effective = options;
+  effective.listen_host = endpoint.listen_host;
+  effective.advertise_host = endpoint.advertise_host;
+  ::distrpc::detail::log(LogLevel::info, name,
+                         "listening on " + endpoint.listen_host + ", publishing " +
+                             endpoint.advertise_host + " (" + endpoint.why + ")");
+  auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size,
+                                          std::move(effective), std::move(registry));
   agent->set_store(rdzv.store);
   try {
     agent->join_group();

@@ -9,6 +9,12 @@
 //                                           (else what SLURM's srun or Open MPI's mpirun set), and
 //                                           LOCAL_RANK / LOCAL_WORLD_SIZE likewise when present
 //
+// Where rank 0's server listens: a loopback host ("localhost", 127.0.0.1, a name resolving to
+// loopback only) keeps it on loopback, a single-host group; any other host means other hosts
+// will dial it, under whatever address their resolver gives for the name (Debian resolves its
+// own host name to 127.0.1.1 locally but to the real address elsewhere), so it listens on every
+// interface, as c10d's TCPStore does.
+//
 // The server-lifetime rule: the process hosting the TCP server (rank 0) must outlive every client,
 // or a client still talking to it fails with "connection ... lost". finalize_rendezvous() enforces
 // it: every rank calls it when done with the store; rank 0 returns only once all have.
@@ -22,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "distrpc/net/interfaces.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/file_store.hpp"
 #include "distrpc/store/store.hpp"
@@ -37,6 +44,10 @@ struct RendezvousResult {
   // The rank and count of this process among those of its host (e.g. which GPU to use).
   int local_rank = -1;
   int local_world_size = -1;
+  // Where the store's TCP server is (tcp:// and env://): its host as given and its port; empty
+  // for file://. A worker reads it to choose the address its peers on other hosts can dial.
+  std::string store_host;
+  int store_port = 0;
 };
 
 namespace detail {
@@ -163,6 +174,12 @@ inline int env_int(const char* name, long long lo, long long hi) {
   return out;
 }
 
+// See "Where rank 0's server listens" above: "" (what `host` resolves to) or a wildcard.
+inline std::string store_listen_address(const std::string& host) {
+  if (net::is_loopback_host(host)) return "";
+  return host.find(':') != std::string::npos ? "::" : "0.0.0.0";
+}
+
 inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::string& host, int port,
                                         int rank, int world, std::chrono::milliseconds timeout) {
   if (port == 0 && rank != 0) {
@@ -173,7 +190,14 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
   }
   // No waiting for workers here: rank 0 must be able to return (and publish a picked port) before
   // the others connect. A store_based_barrier gives the "everyone is here" point.
-  return std::make_shared<TCPStore>(host, port, world, rank == 0, timeout, false);
+  TCPStoreOptions o;
+  o.host = host;
+  o.port = port;
+  o.world_size = world;
+  o.is_master = rank == 0;
+  o.timeout = timeout;
+  o.listen_address = store_listen_address(host);
+  return std::make_shared<TCPStore>(std::move(o));
 }
 
 }  // namespace detail
@@ -203,14 +227,14 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     }
     detail::check_rank(url, rank, world_size);
     const int local_rank = detail::env_launcher_int(detail::kLocalRankVars, 0, 1 << 30, false);
-    const int local_world =
-        detail::env_launcher_int(detail::kLocalWorldVars, 1, 1 << 30, false);
+    const int local_world = detail::env_launcher_int(detail::kLocalWorldVars, 1, 1 << 30, false);
     if (local_rank >= 0 && local_world >= 0 && local_rank >= local_world) {
       throw DistError("rendezvous '" + url + "': local rank " + std::to_string(local_rank) +
                       " is not below the local world size " + std::to_string(local_world));
     }
-    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size,
-            local_rank, local_world};
+    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout);
+    const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
+    return {std::move(store), rank, world_size, local_rank, local_world, host, bound};
   }
 
   if (scheme == "tcp") {
@@ -243,7 +267,9 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
     detail::check_rank(url, rank, world_size);
-    return {detail::tcp_store(url, host, port, rank, world_size, timeout), rank, world_size};
+    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout);
+    const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
+    return {std::move(store), rank, world_size, -1, -1, host, bound};
   }
 
   if (scheme == "file") {
@@ -257,7 +283,8 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
     detail::check_rank(url, rank, world_size);
-    return {std::make_shared<FileStore>(path, world_size, timeout), rank, world_size};
+    return {
+        std::make_shared<FileStore>(path, world_size, timeout), rank, world_size, -1, -1, "", 0};
   }
 
   throw DistError("rendezvous: unknown scheme '" + scheme + "' in '" + url + "' (expected " +

@@ -31,6 +31,8 @@ struct TransportOptions {
   int self_id = 0;                        // this worker's id (its rank)
   std::string self_name;                  // this worker's name, carried by the handshake
   std::string listen_host = "127.0.0.1";  // loopback by default: exposing a port is a choice
+  // The host published in address() (what peers dial); empty: the address listened on.
+  std::string advertise_host;
   std::string auth_token;                 // optional shared secret checked at the handshake
   wire::Limits limits{};                  // frames beyond these are refused / dropped
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(30)};

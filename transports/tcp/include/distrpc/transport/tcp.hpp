@@ -70,8 +70,8 @@
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
-#include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
+#include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -586,9 +586,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (ec) throw fail("listen");
     const auto bound = acceptor_.local_endpoint(ec);
     if (ec) throw fail("getsockname");
-    // A wildcard address cannot be dialled from another host: publish this host's name instead.
-    const std::string published =
-        bound.address().is_unspecified() ? asio::ip::host_name() : bound.address().to_string();
+    // What peers dial: the owner's choice (the agent picks one reachable from the other hosts),
+    // else the bound address; a wildcard cannot be dialled, so then this host's name.
+    const std::string published = !options_.advertise_host.empty()   ? options_.advertise_host
+                                  : bound.address().is_unspecified() ? asio::ip::host_name()
+                                                                     : bound.address().to_string();
     address_ = join_host_port(published, bound.port());
   }
 
