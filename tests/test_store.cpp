@@ -765,12 +765,22 @@ TEST_CASE("TCPStore: hostile input closes only that connection, logged once, oth
     std::vector<std::uint8_t> q = {0, 0xce, 0xf7, 0x85, 0x3c, 0, 1, 2, 3, 4};
     expect_closed(q, "VALIDATE with a wrong magic number");
   }
-  SUBCASE("a request while a wait is pending") {
+  SUBCASE("a request while a wait is pending abandons the wait (PyTorch 1.13 clients do that)") {
+    RawSocket raw(port);
     std::vector<std::uint8_t> q = {kQWait};
     append(q, le64(1));
-    append(q, str_field("/never"));
-    q.push_back(kQNumKeys);
-    expect_closed(q, "a new request arrived while a wait was pending");
+    append(q, str_field("/abandoned"));
+    raw.send(q);
+    std::this_thread::sleep_for(50ms);
+    raw.send(std::vector<std::uint8_t>{kQNumKeys});
+    auto r = raw.reply(8);
+    REQUIRE(r);
+    CHECK(*r == le64(static_cast<std::uint64_t>(good.num_keys())));
+    // The key appearing later sends no stale STOP_WAITING on that connection.
+    good.set("abandoned", "now");
+    CHECK_FALSE(raw.reply(1, 300ms));
+    CHECK_FALSE(raw.closed_by_peer(100ms));
+    CHECK(count_of(log.text(), "closing the connection") == 0);
   }
   SUBCASE("add on a value that is not a number") {
     good.set("word", "abc");
@@ -1288,4 +1298,97 @@ TEST_CASE("log: set_log_sink receives a store's diagnostic; an empty sink restor
   CHECK(count_of(err.text(), "unknown query type 0x7f") == 1);
   std::lock_guard<std::mutex> lk(mu);
   CHECK(lines.size() == 1);  // the sink set before got nothing more
+}
+
+TEST_CASE("TCPStore: a PyTorch 2.x client (VALIDATE, new numbering, PING, CANCEL_WAIT, MULTI_*)") {
+  // The bytes a PyTorch >= 2.2 TCPStore client sends, written from the protocol description.
+  constexpr std::uint8_t kV2Set = 1, kV2Get = 3, kV2Add = 4, kV2Check = 5, kV2Wait = 6,
+                         kV2NumKeys = 7, kV2Delete = 8, kV2Append = 9, kV2MultiGet = 10,
+                         kV2MultiSet = 11, kV2CancelWait = 12, kV2Ping = 13;
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  StderrCapture log;
+  RawSocket raw(master.port());
+  std::vector<std::uint8_t> q = {0, 0xce, 0xf7, 0x85, 0x3c};  // VALIDATE, magic 0x3C85F7CE
+  q.push_back(kV2Ping);
+  append(q, {0x78, 0x56, 0x34, 0x12});
+  raw.send(q);
+  auto r = raw.reply(4);
+  REQUIRE(r);
+  CHECK(*r == std::vector<std::uint8_t>{0x78, 0x56, 0x34, 0x12});  // the nonce, echoed
+
+  q = {kV2Set};
+  append(q, str_field("/a"));
+  append(q, str_field("1"));
+  q.push_back(kV2MultiSet);
+  append(q, le64(2));
+  append(q, str_field("/b"));
+  append(q, str_field("2"));
+  append(q, str_field("/c"));
+  append(q, str_field("3"));
+  q.push_back(kV2Append);
+  append(q, str_field("/a"));
+  append(q, str_field("+more"));
+  q.push_back(kV2Add);
+  append(q, str_field("/n"));
+  append(q, le64(41));
+  raw.send(q);
+  r = raw.reply(8);
+  REQUIRE(r);
+  CHECK(*r == le64(41));
+  CHECK(master.get_string("a") == "1+more");
+  CHECK(master.get_string("b") == "2");
+  CHECK(master.add("n", 1) == 42);
+
+  q = {kV2MultiGet};
+  append(q, le64(2));
+  append(q, str_field("/c"));
+  append(q, str_field("/a"));
+  raw.send(q);
+  r = raw.reply(8 + 1 + 8 + 6);
+  REQUIRE(r);
+  std::vector<std::uint8_t> expected = str_field("3");
+  append(expected, str_field("1+more"));
+  CHECK(*r == expected);
+
+  q = {kV2Check};
+  append(q, le64(2));
+  append(q, str_field("/a"));
+  append(q, str_field("/zz"));
+  q.push_back(kV2NumKeys);
+  q.push_back(kV2Delete);
+  append(q, str_field("/c"));
+  q.push_back(kV2Get);
+  append(q, str_field("/b"));
+  raw.send(q);
+  r = raw.reply(1 + 8 + 8 + 9);
+  REQUIRE(r);
+  expected = {1};  // NOT_READY
+  append(expected, le64(4));
+  append(expected, le64(1));
+  append(expected, str_field("2"));
+  CHECK(*r == expected);
+
+  // A wait that the client cancels after its timeout: WAIT_CANCELED, and nothing stale later.
+  q = {kV2Wait};
+  append(q, le64(1));
+  append(q, str_field("/late"));
+  raw.send(q);
+  CHECK_FALSE(raw.reply(1, 100ms));
+  raw.send(std::vector<std::uint8_t>{kV2CancelWait});
+  r = raw.reply(1);
+  REQUIRE(r);
+  CHECK((*r)[0] == 1);  // WAIT_CANCELED
+  master.set("late", "x");
+  CHECK_FALSE(raw.reply(1, 200ms));
+  // A wait answered when the key appears: STOP_WAITING.
+  q = {kV2Wait};
+  append(q, le64(1));
+  append(q, str_field("/later"));
+  raw.send(q);
+  std::this_thread::sleep_for(50ms);
+  master.set("later", "y");
+  r = raw.reply(1);
+  REQUIRE(r);
+  CHECK((*r)[0] == 0);  // STOP_WAITING
+  CHECK(count_of(log.text(), "closing the connection") == 0);
 }

@@ -33,12 +33,14 @@
 // keys still missing. A connection's first request is a CHECK of no keys, which every c10d server
 // answers READY (that proves the peer is a TCPStore server).
 //
-// Our server answers WAIT, GET and MULTI_GET when the keys appear (waiter lists, no polling).
+// Our server answers WAIT, GET and MULTI_GET when the keys appear (waiter lists, no polling); a
+// new request other than CANCEL_WAIT while one is parked abandons it (a 1.13 client whose wait
+// timed out simply goes on).
 // Every length and count is checked against its limit as soon as it is read (keys
 // Store::kMaxKeyBytes + the prefix, values Store::kMaxValueBytes, 128 Ki keys per request, one
 // request at most 2 * kMaxValueBytes + kMaxKeyBytes + 64 bytes); anything malformed (an oversized
-// length, an unknown query type, a request while a wait is pending, an add on a value that is not
-// a number, EOF inside a request) closes that connection only, with one line logged, as c10d's
+// length, an unknown query type, an add on a value that is not a number,
+// EOF inside a request) closes that connection only, with one line logged, as c10d's
 // protocol has no error reply. A connection that sends no request within handshake_timeout is
 // closed, so silent sockets cannot pile up.
 //

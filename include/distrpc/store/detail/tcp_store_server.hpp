@@ -358,7 +358,11 @@ class Server {
     q.query = s.numbering == Numbering::kValidated ? validated_query(byte) : legacy_query(byte);
     parse(q, r);
     if (s.pending && q.query != Query::kCancelWait) {
-      throw WireError("a new request arrived while a wait was pending");
+      // A PyTorch 1.13 client whose wait timed out goes on with its next request without
+      // cancelling: the wait is abandoned. Dropping it here also spares that client a stale
+      // STOP_WAITING later (c10d's own server would still send one).
+      drop_waiter(s.pending);
+      s.pending.reset();
     }
     greet(s);
     execute(s, q);
