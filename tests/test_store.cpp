@@ -1166,6 +1166,41 @@ TEST_CASE("rendezvous: env:// names the missing or bad variable") {
   CHECK(r.store->get_string("k") == "v");
 }
 
+TEST_CASE(
+    "rendezvous: env:// under torchrun's agent store joins it as a client, under its prefix") {
+  // The store torchrun's elastic agent hosts (played here by ours: the protocol is c10d's).
+  ds::TCPStore agent("127.0.0.1", 0, -1, true, 10s);
+  EnvGuard env;
+  env.set("MASTER_ADDR", "127.0.0.1");
+  env.set("MASTER_PORT", std::to_string(agent.port()).c_str());
+  env.set("RANK", nullptr);
+  env.set("WORLD_SIZE", nullptr);
+  env.set("TORCHELASTIC_RESTART_COUNT", "3");
+  for (const char* flag : {"True", "1"}) {
+    INFO("TORCHELASTIC_USE_AGENT_STORE=" << flag);
+    env.set("TORCHELASTIC_USE_AGENT_STORE", flag);
+    // Rank 0 too is a client: hosting would fail, the port being the agent's.
+    auto r0 = ds::rendezvous("env://", 0, 2, 5s);
+    auto r1 = ds::rendezvous("env://", 1, 2, 5s);
+    CHECK(r0.rank == 0);
+    CHECK(r1.rank == 1);
+    CHECK(std::dynamic_pointer_cast<ds::PrefixStore>(r0.store));
+    r0.store->set(std::string("from rank 0 ") + flag, "x");
+    CHECK(r1.store->get_string(std::string("from rank 0 ") + flag) == "x");
+    // PyTorch's env:// rendezvous keys: PrefixStore("/worker/attempt_<restarts>") over TCPStore.
+    CHECK(agent.get_string(std::string("/worker/attempt_3/from rank 0 ") + flag) == "x");
+  }
+  env.set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  CHECK(contains(rendezvous_error("env://", 0, 2), "cannot listen on 127.0.0.1:"));
+  env.set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  env.set("TORCHELASTIC_RESTART_COUNT", nullptr);
+  CHECK(contains(rendezvous_error("env://", 0, 2),
+                 "environment variable TORCHELASTIC_RESTART_COUNT expected, but not set"));
+  env.set("TORCHELASTIC_RESTART_COUNT", "x");
+  CHECK(contains(rendezvous_error("env://", 0, 2),
+                 "TORCHELASTIC_RESTART_COUNT='x' is not an integer"));
+}
+
 TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
   EnvGuard env;
   const char* all[] = {"RANK",
