@@ -1427,3 +1427,31 @@ TEST_CASE("TCPStore: a PyTorch 2.x client (VALIDATE, new numbering, PING, CANCEL
   CHECK((*r)[0] == 0);  // STOP_WAITING
   CHECK(count_of(log.text(), "closing the connection") == 0);
 }
+
+TEST_CASE("TCPStore: random bytes never take the server down") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  master.set("kept", "value");
+  // Deterministic: a failure reproduces.
+  std::uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  StderrCapture log;  // the closings are logged; keep them out of the test output
+  for (int round = 0; round < 200; ++round) {
+    RawSocket raw(master.port());
+    std::vector<std::uint8_t> bytes(1 + next() % 64);
+    for (auto& b : bytes) b = static_cast<std::uint8_t>(next());
+    // Sometimes a valid query type first, so the parser goes past the first byte.
+    bytes[0] = static_cast<std::uint8_t>(bytes[0] % 16);
+    raw.send(bytes);
+    raw.close();
+  }
+  // Still serving, with its data intact.
+  ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
+  CHECK(client.get_string("kept") == "value");
+  client.set("after", "fuzz");
+  CHECK(master.get_string("after") == "fuzz");
+}
