@@ -1455,3 +1455,26 @@ TEST_CASE("TCPStore: random bytes never take the server down") {
   client.set("after", "fuzz");
   CHECK(master.get_string("after") == "fuzz");
 }
+
+TEST_CASE("TCPStore: a PyTorch 2.x client that puts the magic number before every query") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  master.set("k", "v");
+  StderrCapture log;
+  const std::vector<std::uint8_t> magic = {0xce, 0xf7, 0x85, 0x3c};
+  RawSocket raw(master.port());
+  std::vector<std::uint8_t> q = magic;
+  q.push_back(3);  // GET, numbered as after VALIDATE
+  append(q, str_field("/k"));
+  append(q, magic);
+  q.push_back(7);  // GETNUMKEYS
+  raw.send(q);
+  auto r = raw.reply(9 + 8);
+  REQUIRE(r);
+  std::vector<std::uint8_t> expected = str_field("v");
+  append(expected, le64(1));
+  CHECK(*r == expected);
+  // A query without the prefix on such a connection closes it.
+  raw.send(std::vector<std::uint8_t>{7, 0, 0, 0});
+  CHECK(raw.closed_by_peer());
+  CHECK(count_of(log.text(), "a request without the magic number prefix") == 1);
+}

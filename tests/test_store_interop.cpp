@@ -119,11 +119,15 @@ class Child {
 
 // True when Python can import torch.distributed; otherwise the reason, for the skip message.
 std::optional<std::string> python_torch_missing() {
-  Child probe({python(), "-c", "import torch.distributed"}, std::chrono::seconds(60));
-  const int rc = probe.join();
-  if (rc == 0) return std::nullopt;
-  return python() + " -c 'import torch.distributed' exited with " + std::to_string(rc) + ": " +
-         probe.err().substr(0, 300);
+  try {
+    Child probe({python(), "-c", "import torch.distributed"}, std::chrono::seconds(60));
+    const int rc = probe.join();
+    if (rc == 0) return std::nullopt;
+    return python() + " -c 'import torch.distributed' exited with " + std::to_string(rc) + ": " +
+           probe.err().substr(0, 300);
+  } catch (const std::exception& e) {
+    return e.what();  // no such interpreter
+  }
 }
 
 bool contains(const std::string& text, const std::string& part) {

@@ -22,7 +22,8 @@
 //   A PyTorch >= 2.2 client opens with VALIDATE (byte 0, u32 magic 0x3C85F7CE, no reply); that
 //   connection then uses the newer numbering: 1 SET, 2 COMPARE_SET, 3 GET, 4 ADD, 5 CHECK, 6 WAIT,
 //   7 GETNUMKEYS, 8 DELETE_KEY, 9 APPEND, 10 MULTI_GET, 11 MULTI_SET, 12 CANCEL_WAIT,
-//   13 PING (u32 nonce -> the same u32).
+//   13 PING (u32 nonce -> the same u32). A connection whose first bytes are that magic number
+//   carries it before every query type (some 2.x releases do that), with the same numbering.
 //   Every c10d store object that knows the world size adds 1 to the unprefixed key "init/" when it
 //   connects; a master with wait_for_workers waits until that count reaches world_size. num_keys()
 //   counts that key too, as c10d's does.

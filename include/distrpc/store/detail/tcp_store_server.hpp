@@ -135,7 +135,9 @@ class Server {
   };
 
   // How a connection numbers its query types: unknown until its first request.
-  enum class Numbering { kUnknown, kLegacy, kValidated };
+  // kPrefixed: some PyTorch 2.x releases put the magic number before every query type instead of
+  // sending VALIDATE once; the query types are then numbered as after VALIDATE.
+  enum class Numbering { kUnknown, kLegacy, kValidated, kPrefixed };
 
   // One parsed request; nothing is executed before the whole request has arrived.
   struct Request {
@@ -334,7 +336,28 @@ class Server {
   // NeedMore when the request is not complete yet, WireError when it breaks the protocol.
   std::size_t serve_one(Session& s, const std::uint8_t* p, std::size_t n) {
     Reader r(p, n);
-    const std::uint8_t byte = r.u8();
+    std::uint8_t byte = r.u8();
+    if (s.numbering == Numbering::kUnknown && byte == (kValidateMagic & 0xff)) {
+      // 0xce is no query type of either numbering: only the magic number can start this way.
+      Reader probe(p, n);
+      if (probe.le<std::uint32_t>() == kValidateMagic) s.numbering = Numbering::kPrefixed;
+    }
+    if (s.numbering == Numbering::kPrefixed) {
+      r = Reader(p, n);
+      const auto magic = r.le<std::uint32_t>();
+      if (magic != kValidateMagic) {
+        throw WireError("a request without the magic number prefix (" + std::to_string(magic) +
+                        ")");
+      }
+      byte = r.u8();
+      if (byte == kValidateByte) {
+        if (r.le<std::uint32_t>() != kValidateMagic) {
+          throw WireError("VALIDATE with a wrong magic number");
+        }
+        greet(s);
+        return r.consumed();
+      }
+    }
     if (s.numbering == Numbering::kUnknown || s.numbering == Numbering::kValidated) {
       if (byte == kValidateByte) {
         // PyTorch >= 2.2 opens with VALIDATE and its magic. Under the old numbering byte 0 is
@@ -355,7 +378,7 @@ class Server {
     if (s.numbering == Numbering::kUnknown) s.numbering = Numbering::kLegacy;
     Request q;
     q.byte = byte;
-    q.query = s.numbering == Numbering::kValidated ? validated_query(byte) : legacy_query(byte);
+    q.query = s.numbering == Numbering::kLegacy ? legacy_query(byte) : validated_query(byte);
     parse(q, r);
     if (s.pending && q.query != Query::kCancelWait) {
       // A PyTorch 1.13 client whose wait timed out goes on with its next request without
