@@ -1,6 +1,8 @@
 # Sourced by examples/run.sh and tests/run.sh: installs what a fresh Debian 12 machine lacks
 # (apt-get, once), then configures and builds into ./build.
-distrpc_packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libcereal-dev doctest-dev)
+# python3-torch: PyTorch's own TCPStore and torchrun, which the interoperability tests run against.
+distrpc_packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libcereal-dev doctest-dev
+  python3-torch)
 
 distrpc_install_deps() {
   local missing=()

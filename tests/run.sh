@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, runs every test suite and the consumer check.
+# Installs what is missing, builds, runs every test suite, the consumer check and the torchrun check.
 # Last line: "N passed, M failed" (doctest test cases summed over the suites); exit non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +114,13 @@ if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else
   failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/consumer.log"
+fi
+
+echo "== torchrun (two distrpc ranks launched by PyTorch's torchrun meet through its agent's TCPStore and call each other)"
+if timeout 600 bash tests/interop/check.sh build >"$logdir/torchrun.log" 2>&1; then
+  passed=$((passed + 1)); echo "   ok"
+else
+  failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/torchrun.log"
 fi
 
 rm -rf "$logdir"

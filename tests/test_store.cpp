@@ -80,7 +80,9 @@ class TempDir {
   fs::path path_;
 };
 
-int free_port() { return distrpc::testing::free_loopback_port(); }
+int free_port() {
+  return distrpc::testing::free_loopback_port();
+}
 
 // ---- the store kinds under test ----------------------------------------------------------------
 
@@ -586,31 +588,23 @@ DISTRPC_MP_TEST("store: 4 processes race on add and compare_set through TCPStore
 
 namespace {
 
-// Frames written by hand from the protocol description in tcp_store.hpp, independent of its code.
-std::vector<std::uint8_t> le32(std::uint32_t v) {
-  return {std::uint8_t(v), std::uint8_t(v >> 8), std::uint8_t(v >> 16), std::uint8_t(v >> 24)};
+// Requests written by hand from the protocol description in tcp_store.hpp (c10d's), independent
+// of its code.
+std::vector<std::uint8_t> le64(std::uint64_t v) {
+  std::vector<std::uint8_t> out(8);
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<std::uint8_t>(v >> (8 * i));
+  return out;
 }
 void append(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& more) {
   out.insert(out.end(), more.begin(), more.end());
 }
-std::vector<std::uint8_t> frame(const std::vector<std::uint8_t>& body) {
-  auto out = le32(static_cast<std::uint32_t>(body.size()));
-  append(out, body);
-  return out;
-}
-std::vector<std::uint8_t> hello_frame() {
-  std::vector<std::uint8_t> body = {1};
-  append(body, le32(0x53545244));
-  append(body, {1, 0, 0});  // version 1, flags 0
-  return frame(body);
-}
 std::vector<std::uint8_t> str_field(const std::string& s) {
-  std::vector<std::uint8_t> out(4 + s.size());
-  const auto n = le32(static_cast<std::uint32_t>(s.size()));
-  std::copy(n.begin(), n.end(), out.begin());
-  std::copy(s.begin(), s.end(), out.begin() + 4);
+  auto out = le64(s.size());
+  out.insert(out.end(), s.begin(), s.end());
   return out;
 }
+// Legacy (PyTorch 1.13) query type bytes.
+constexpr std::uint8_t kQSet = 0, kQGet = 2, kQAdd = 3, kQCheck = 4, kQWait = 5, kQNumKeys = 6;
 
 class RawSocket {
  public:
@@ -652,25 +646,22 @@ class RawSocket {
     }
     return false;
   }
-  // One reply frame: status byte then fields; nullopt if the connection closed or nothing came.
-  std::optional<std::vector<std::uint8_t>> reply(milliseconds limit = 2s) {
+  // Exactly `n` reply bytes; nullopt if the connection closed or they did not come in time.
+  std::optional<std::vector<std::uint8_t>> reply(std::size_t n, milliseconds limit = 2s) {
     auto& in = in_;
     const auto t0 = Clock::now();
     while (since(t0) < limit) {
-      if (in.size() >= 4) {
-        const std::uint32_t len = in[0] | in[1] << 8 | in[2] << 16 | std::uint32_t(in[3]) << 24;
-        if (in.size() >= 4 + len) {
-          std::vector<std::uint8_t> out(in.begin() + 4, in.begin() + 4 + len);
-          in.erase(in.begin(), in.begin() + 4 + len);
-          return out;
-        }
+      if (in.size() >= n) {
+        std::vector<std::uint8_t> out(in.begin(), in.begin() + static_cast<long>(n));
+        in.erase(in.begin(), in.begin() + static_cast<long>(n));
+        return out;
       }
       pollfd p{fd_, POLLIN, 0};
       if (::poll(&p, 1, 50) <= 0) continue;
       char buf[4096];
-      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
-      if (n <= 0) return std::nullopt;
-      in.insert(in.end(), buf, buf + n);
+      const ssize_t got = ::recv(fd_, buf, sizeof buf, 0);
+      if (got <= 0) return std::nullopt;
+      in.insert(in.end(), buf, buf + got);
     }
     return std::nullopt;
   }
@@ -730,16 +721,9 @@ TEST_CASE("TCPStore: hostile input closes only that connection, logged once, oth
   });
 
   StderrCapture log;
-  auto expect_closed = [&](const std::vector<std::uint8_t>& bytes, const std::string& reason,
-                           bool with_hello) {
+  auto expect_closed = [&](const std::vector<std::uint8_t>& bytes, const std::string& reason) {
     INFO("expected reason: " << reason);
     RawSocket raw(port);
-    if (with_hello) {
-      raw.send(hello_frame());
-      auto r = raw.reply();
-      REQUIRE(r);
-      CHECK((*r)[0] == 0);  // ok
-    }
     raw.send(bytes);
     CHECK(raw.closed_by_peer());
     CHECK(count_of(log.text(), reason) == 1);
@@ -749,74 +733,98 @@ TEST_CASE("TCPStore: hostile input closes only that connection, logged once, oth
   };
 
   SUBCASE("garbage bytes (an HTTP request)") {
-    expect_closed(std::vector<std::uint8_t>{'G', 'E', 'T', ' ', '/', ' ', 'H', 'T', 'T', 'P'},
-                  "frame length 542393671 is outside", false);
+    // 'G' is no query type of either numbering.
+    const std::string http = "GET / HTTP/1.1\r\n\r\n";
+    expect_closed(std::vector<std::uint8_t>(http.begin(), http.end()), "unknown query type 0x47");
   }
-  SUBCASE("an absurd length prefix") {
-    expect_closed(le32(0xffffffffu), "frame length 4294967295 is outside", false);
+  SUBCASE("an unknown query type") {
+    expect_closed({0x7f}, "unknown query type 0x7f");
   }
-  SUBCASE("a zero length prefix") {
-    expect_closed(le32(0), "frame length 0 is outside", true);
+  SUBCASE("an absurd key length") {
+    std::vector<std::uint8_t> q = {kQSet};
+    append(q, le64(0xffffffffffffffffull));
+    expect_closed(q, "the key length 18446744073709551615 is over the limit of 65537 bytes");
   }
-  SUBCASE("a request before the handshake") {
-    std::vector<std::uint8_t> body = {9};  // NUM_KEYS
-    expect_closed(frame(body), "not the TCPStore handshake", false);
-  }
-  SUBCASE("a wrong handshake magic") {
-    std::vector<std::uint8_t> body = {1, 'X', 'X', 'X', 'X', 1, 0, 1};
-    expect_closed(frame(body), "wrong handshake magic", false);
-  }
-  SUBCASE("an unknown opcode") {
-    expect_closed(frame({0x7f}), "unknown opcode 0x7f", true);
-  }
-  SUBCASE("a field running past its frame") {
-    std::vector<std::uint8_t> body = {2};  // SET with a key length of 1000 in a short frame
-    append(body, le32(1000));
-    append(body, {'a', 'b'});
-    expect_closed(frame(body), "the frame ends inside the key", true);
+  SUBCASE("an absurd value length") {
+    std::vector<std::uint8_t> q = {kQSet};
+    append(q, str_field("/k"));
+    append(q, le64(std::uint64_t(1) << 40));
+    expect_closed(q, "the value length 1099511627776 is over the limit of 67108864 bytes");
   }
   SUBCASE("an absurd key count") {
-    std::vector<std::uint8_t> body = {7};  // WAIT
-    append(body, le32(0xffffffffu));
-    expect_closed(frame(body), "key count 4294967295 exceeds", true);
+    std::vector<std::uint8_t> q = {kQWait};
+    append(q, le64(0xffffffffu));
+    expect_closed(q, "the key count 4294967295 is over the limit of 131072");
   }
-  SUBCASE("bytes after the last field") {
-    expect_closed(frame({9, 0, 0}), "2 unexpected bytes after the last field", true);
+  SUBCASE("WATCH_KEY is refused") {
+    std::vector<std::uint8_t> q = {7};
+    append(q, str_field("/k"));
+    expect_closed(q, "WATCH_KEY (key change callbacks) is not supported");
   }
-  SUBCASE("a truncated frame, then close") {
+  SUBCASE("VALIDATE with a wrong magic on a validated connection") {
+    std::vector<std::uint8_t> q = {0, 0xce, 0xf7, 0x85, 0x3c, 0, 1, 2, 3, 4};
+    expect_closed(q, "VALIDATE with a wrong magic number");
+  }
+  SUBCASE("a request while a wait is pending abandons the wait (PyTorch 1.13 clients do that)") {
     RawSocket raw(port);
-    raw.send(hello_frame());
-    REQUIRE(raw.reply());
-    auto bytes = le32(100);
-    append(bytes, {2, 0, 0});
-    raw.send(bytes);
+    std::vector<std::uint8_t> q = {kQWait};
+    append(q, le64(1));
+    append(q, str_field("/abandoned"));
+    raw.send(q);
+    std::this_thread::sleep_for(50ms);
+    raw.send(std::vector<std::uint8_t>{kQNumKeys});
+    auto r = raw.reply(8);
+    REQUIRE(r);
+    CHECK(*r == le64(static_cast<std::uint64_t>(good.num_keys())));
+    // The key appearing later sends no stale STOP_WAITING on that connection.
+    good.set("abandoned", "now");
+    CHECK_FALSE(raw.reply(1, 300ms));
+    CHECK_FALSE(raw.closed_by_peer(100ms));
+    CHECK(count_of(log.text(), "closing the connection") == 0);
+  }
+  SUBCASE("add on a value that is not a number") {
+    good.set("word", "abc");
+    std::vector<std::uint8_t> q = {kQAdd};
+    append(q, str_field("/word"));
+    append(q, le64(1));
+    expect_closed(q, "is not a 64-bit decimal integer");
+    CHECK(good.get_string("word") == "abc");
+  }
+  SUBCASE("a truncated request, then close") {
+    RawSocket raw(port);
+    std::vector<std::uint8_t> q = {kQSet};
+    append(q, str_field("/k"));
+    append(q, le64(100));
+    append(q, {'a', 'b'});
+    raw.send(q);
     raw.close();
-    // The server notices EOF inside a frame and says how much had come.
+    // The server notices EOF inside a request and says how much had come.
     const auto t0 = Clock::now();
     while (!contains(log.text(), "disconnected mid-request") && since(t0) < 2s) {
       std::this_thread::sleep_for(10ms);
     }
-    CHECK(count_of(log.text(), "disconnected mid-request (7 bytes of an unfinished frame") == 1);
+    CHECK(count_of(log.text(), "disconnected mid-request (21 bytes of an unfinished request") == 1);
+    CHECK_FALSE(good.check({"k"}));
     good.set("probe", "x");
     CHECK(good.get_string("probe") == "x");
   }
-  SUBCASE("an oversized key in a well-formed frame is refused, the connection stays") {
+  SUBCASE("a request split into single bytes is served") {
     RawSocket raw(port);
-    raw.send(hello_frame());
-    REQUIRE(raw.reply());
-    std::vector<std::uint8_t> body = {2};
-    append(body, str_field(std::string(ds::Store::kMaxKeyBytes + 1, 'k')));
-    append(body, str_field("v"));
-    raw.send(frame(body));
-    auto r = raw.reply();
+    std::vector<std::uint8_t> q = {kQSet};
+    append(q, str_field("/split"));
+    append(q, str_field("bytewise"));
+    q.push_back(kQCheck);
+    append(q, le64(1));
+    append(q, str_field("/split"));
+    for (std::uint8_t byte : q) {
+      raw.send(std::vector<std::uint8_t>{byte});
+      std::this_thread::sleep_for(1ms);
+    }
+    auto r = raw.reply(1);
     REQUIRE(r);
-    CHECK((*r)[0] == 2);  // error
-    const std::string text(r->begin() + 5, r->end());
-    CHECK(contains(text, std::to_string(ds::Store::kMaxKeyBytes + 1) + " bytes"));
-    raw.send(frame({9}));  // NUM_KEYS on the same connection still answers
-    r = raw.reply();
-    REQUIRE(r);
-    CHECK((*r)[0] == 0);
+    CHECK((*r)[0] == 0);  // READY
+    CHECK(good.get_string("split") == "bytewise");
+    CHECK(count_of(log.text(), "closing the connection") == 0);
   }
 
   good.set("after the storm", "calm");
@@ -840,14 +848,10 @@ TEST_CASE("TCPStore: a client that pipelines requests and reads nothing cannot p
   ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
   master.set("v", ds::Bytes(16 * 1024, 'v'));
   RawSocket raw(master.port());
-  raw.send(hello_frame());
-  REQUIRE(raw.reply());
   // 10,000 GETs of a 16 KiB value: 160 MiB of replies if the server queued them all.
   constexpr int kRequests = 10'000;
-  std::vector<std::uint8_t> body = {3};
-  append(body, str_field("v"));
-  append(body, {0, 0, 0, 0, 0, 0, 0, 0});  // no timeout
-  const auto one = frame(body);
+  std::vector<std::uint8_t> one = {kQGet};
+  append(one, str_field("/v"));
   std::vector<std::uint8_t> all;
   for (int i = 0; i < kRequests; ++i) append(all, one);
   const long before = rss_kib();
@@ -859,16 +863,16 @@ TEST_CASE("TCPStore: a client that pipelines requests and reads nothing cannot p
   // Then every reply arrives, in order, intact.
   int good = 0;
   for (int i = 0; i < kRequests; ++i) {
-    auto r = raw.reply(5s);
+    auto r = raw.reply(8 + 16 * 1024, 5s);
     if (!r) break;
-    if (r->size() == 1 + 4 + 16 * 1024 && (*r)[0] == 0 && (*r)[5] == 'v') ++good;
+    if (std::equal(r->begin(), r->begin() + 8, le64(16 * 1024).begin()) && (*r)[8] == 'v') ++good;
   }
   CHECK(good == kRequests);
   CHECK_FALSE(sender.join());
   CHECK(master.get("v").size() == 16 * 1024);
 }
 
-TEST_CASE("TCPStore: a connection that never shakes hands is closed after handshake_timeout") {
+TEST_CASE("TCPStore: a connection that sends no request is closed after handshake_timeout") {
   ds::TCPStoreOptions opts;
   opts.is_master = true;
   opts.timeout = 5s;
@@ -879,7 +883,7 @@ TEST_CASE("TCPStore: a connection that never shakes hands is closed after handsh
   const auto t0 = Clock::now();
   CHECK(silent.closed_by_peer(3s));
   CHECK(since(t0) >= 250ms);
-  CHECK(count_of(log.text(), "no handshake within 300 ms") == 1);
+  CHECK(count_of(log.text(), "no request within 300 ms") == 1);
   // A client that did shake hands may stay idle for longer.
   ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
   std::this_thread::sleep_for(500ms);
@@ -1162,12 +1166,55 @@ TEST_CASE("rendezvous: env:// names the missing or bad variable") {
   CHECK(r.store->get_string("k") == "v");
 }
 
+TEST_CASE(
+    "rendezvous: env:// under torchrun's agent store joins it as a client, under its prefix") {
+  // The store torchrun's elastic agent hosts (played here by ours: the protocol is c10d's).
+  ds::TCPStore agent("127.0.0.1", 0, -1, true, 10s);
+  EnvGuard env;
+  env.set("MASTER_ADDR", "127.0.0.1");
+  env.set("MASTER_PORT", std::to_string(agent.port()).c_str());
+  env.set("RANK", nullptr);
+  env.set("WORLD_SIZE", nullptr);
+  env.set("TORCHELASTIC_RESTART_COUNT", "3");
+  for (const char* flag : {"True", "1"}) {
+    INFO("TORCHELASTIC_USE_AGENT_STORE=" << flag);
+    env.set("TORCHELASTIC_USE_AGENT_STORE", flag);
+    // Rank 0 too is a client: hosting would fail, the port being the agent's.
+    auto r0 = ds::rendezvous("env://", 0, 2, 5s);
+    auto r1 = ds::rendezvous("env://", 1, 2, 5s);
+    CHECK(r0.rank == 0);
+    CHECK(r1.rank == 1);
+    CHECK(std::dynamic_pointer_cast<ds::PrefixStore>(r0.store));
+    r0.store->set(std::string("from rank 0 ") + flag, "x");
+    CHECK(r1.store->get_string(std::string("from rank 0 ") + flag) == "x");
+    // PyTorch's env:// rendezvous keys: PrefixStore("/worker/attempt_<restarts>") over TCPStore.
+    CHECK(agent.get_string(std::string("/worker/attempt_3/from rank 0 ") + flag) == "x");
+  }
+  env.set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  CHECK(contains(rendezvous_error("env://", 0, 2), "cannot listen on 127.0.0.1:"));
+  env.set("TORCHELASTIC_USE_AGENT_STORE", "True");
+  env.set("TORCHELASTIC_RESTART_COUNT", nullptr);
+  CHECK(contains(rendezvous_error("env://", 0, 2),
+                 "environment variable TORCHELASTIC_RESTART_COUNT expected, but not set"));
+  env.set("TORCHELASTIC_RESTART_COUNT", "x");
+  CHECK(contains(rendezvous_error("env://", 0, 2),
+                 "TORCHELASTIC_RESTART_COUNT='x' is not an integer"));
+}
+
 TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
   EnvGuard env;
-  const char* all[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-                       "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-                       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
+  const char* all[] = {"RANK",
+                       "WORLD_SIZE",
+                       "LOCAL_RANK",
+                       "LOCAL_WORLD_SIZE",
+                       "SLURM_PROCID",
+                       "SLURM_NTASKS",
+                       "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE",
+                       "OMPI_COMM_WORLD_RANK",
+                       "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE"};
   for (const char* n : all) env.set(n, nullptr);
   env.set("MASTER_ADDR", "127.0.0.1");
   env.set("MASTER_PORT", "0");  // rank 0 hosts the store on a free port
@@ -1263,7 +1310,7 @@ TEST_CASE("log: set_log_sink receives a store's diagnostic; an empty sink restor
   const std::string who = "TCPStore server 127.0.0.1:" + std::to_string(port);
   const auto hostile_connection = [&] {
     RawSocket raw(port);
-    raw.send(le32(0xffffffffu));
+    raw.send(std::vector<std::uint8_t>{0x7f});
     CHECK(raw.closed_by_peer());  // the server logs before it closes
   };
 
@@ -1275,15 +1322,159 @@ TEST_CASE("log: set_log_sink receives a store's diagnostic; an empty sink restor
     CHECK(lines[0].level == distrpc::LogLevel::warning);
     CHECK(lines[0].who == who);
     CHECK(lines[0].text.rfind("closing the connection from 127.0.0.1:", 0) == 0);
-    CHECK(count_of(lines[0].text, "frame length 4294967295 is outside") == 1);
+    CHECK(count_of(lines[0].text, "unknown query type 0x7f") == 1);
     CHECK(lines[0].text.find('\n') == std::string::npos);
   }
-  CHECK(count_of(err.text(), "frame length") == 0);  // the sink took it instead of stderr
+  CHECK(count_of(err.text(), "unknown query type") == 0);  // the sink took it instead of stderr
 
   distrpc::set_log_sink(nullptr);
   hostile_connection();
   CHECK(count_of(err.text(), "[distrpc] " + who + ": closing the connection from 127.0.0.1:") == 1);
-  CHECK(count_of(err.text(), "frame length 4294967295 is outside") == 1);
+  CHECK(count_of(err.text(), "unknown query type 0x7f") == 1);
   std::lock_guard<std::mutex> lk(mu);
   CHECK(lines.size() == 1);  // the sink set before got nothing more
+}
+
+TEST_CASE("TCPStore: a PyTorch 2.x client (VALIDATE, new numbering, PING, CANCEL_WAIT, MULTI_*)") {
+  // The bytes a PyTorch >= 2.2 TCPStore client sends, written from the protocol description.
+  constexpr std::uint8_t kV2Set = 1, kV2Get = 3, kV2Add = 4, kV2Check = 5, kV2Wait = 6,
+                         kV2NumKeys = 7, kV2Delete = 8, kV2Append = 9, kV2MultiGet = 10,
+                         kV2MultiSet = 11, kV2CancelWait = 12, kV2Ping = 13;
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  StderrCapture log;
+  RawSocket raw(master.port());
+  std::vector<std::uint8_t> q = {0, 0xce, 0xf7, 0x85, 0x3c};  // VALIDATE, magic 0x3C85F7CE
+  q.push_back(kV2Ping);
+  append(q, {0x78, 0x56, 0x34, 0x12});
+  raw.send(q);
+  auto r = raw.reply(4);
+  REQUIRE(r);
+  CHECK(*r == std::vector<std::uint8_t>{0x78, 0x56, 0x34, 0x12});  // the nonce, echoed
+
+  q = {kV2Set};
+  append(q, str_field("/a"));
+  append(q, str_field("1"));
+  q.push_back(kV2MultiSet);
+  append(q, le64(2));
+  append(q, str_field("/b"));
+  append(q, str_field("2"));
+  append(q, str_field("/c"));
+  append(q, str_field("3"));
+  q.push_back(kV2Append);
+  append(q, str_field("/a"));
+  append(q, str_field("+more"));
+  q.push_back(kV2Add);
+  append(q, str_field("/n"));
+  append(q, le64(41));
+  raw.send(q);
+  r = raw.reply(8);
+  REQUIRE(r);
+  CHECK(*r == le64(41));
+  CHECK(master.get_string("a") == "1+more");
+  CHECK(master.get_string("b") == "2");
+  CHECK(master.add("n", 1) == 42);
+
+  q = {kV2MultiGet};
+  append(q, le64(2));
+  append(q, str_field("/c"));
+  append(q, str_field("/a"));
+  raw.send(q);
+  r = raw.reply(8 + 1 + 8 + 6);
+  REQUIRE(r);
+  std::vector<std::uint8_t> expected = str_field("3");
+  append(expected, str_field("1+more"));
+  CHECK(*r == expected);
+
+  q = {kV2Check};
+  append(q, le64(2));
+  append(q, str_field("/a"));
+  append(q, str_field("/zz"));
+  q.push_back(kV2NumKeys);
+  q.push_back(kV2Delete);
+  append(q, str_field("/c"));
+  q.push_back(kV2Get);
+  append(q, str_field("/b"));
+  raw.send(q);
+  r = raw.reply(1 + 8 + 8 + 9);
+  REQUIRE(r);
+  expected = {1};  // NOT_READY
+  append(expected, le64(4));
+  append(expected, le64(1));
+  append(expected, str_field("2"));
+  CHECK(*r == expected);
+
+  // A wait that the client cancels after its timeout: WAIT_CANCELED, and nothing stale later.
+  q = {kV2Wait};
+  append(q, le64(1));
+  append(q, str_field("/late"));
+  raw.send(q);
+  CHECK_FALSE(raw.reply(1, 100ms));
+  raw.send(std::vector<std::uint8_t>{kV2CancelWait});
+  r = raw.reply(1);
+  REQUIRE(r);
+  CHECK((*r)[0] == 1);  // WAIT_CANCELED
+  master.set("late", "x");
+  CHECK_FALSE(raw.reply(1, 200ms));
+  // A wait answered when the key appears: STOP_WAITING.
+  q = {kV2Wait};
+  append(q, le64(1));
+  append(q, str_field("/later"));
+  raw.send(q);
+  std::this_thread::sleep_for(50ms);
+  master.set("later", "y");
+  r = raw.reply(1);
+  REQUIRE(r);
+  CHECK((*r)[0] == 0);  // STOP_WAITING
+  CHECK(count_of(log.text(), "closing the connection") == 0);
+}
+
+TEST_CASE("TCPStore: random bytes never take the server down") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  master.set("kept", "value");
+  // Deterministic: a failure reproduces.
+  std::uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  StderrCapture log;  // the closings are logged; keep them out of the test output
+  for (int round = 0; round < 200; ++round) {
+    RawSocket raw(master.port());
+    std::vector<std::uint8_t> bytes(1 + next() % 64);
+    for (auto& b : bytes) b = static_cast<std::uint8_t>(next());
+    // Sometimes a valid query type first, so the parser goes past the first byte.
+    bytes[0] = static_cast<std::uint8_t>(bytes[0] % 16);
+    raw.send(bytes);
+    raw.close();
+  }
+  // Still serving, with its data intact.
+  ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
+  CHECK(client.get_string("kept") == "value");
+  client.set("after", "fuzz");
+  CHECK(master.get_string("after") == "fuzz");
+}
+
+TEST_CASE("TCPStore: a PyTorch 2.x client that puts the magic number before every query") {
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  master.set("k", "v");
+  StderrCapture log;
+  const std::vector<std::uint8_t> magic = {0xce, 0xf7, 0x85, 0x3c};
+  RawSocket raw(master.port());
+  std::vector<std::uint8_t> q = magic;
+  q.push_back(3);  // GET, numbered as after VALIDATE
+  append(q, str_field("/k"));
+  append(q, magic);
+  q.push_back(7);  // GETNUMKEYS
+  raw.send(q);
+  auto r = raw.reply(9 + 8);
+  REQUIRE(r);
+  std::vector<std::uint8_t> expected = str_field("v");
+  append(expected, le64(1));
+  CHECK(*r == expected);
+  // A query without the prefix on such a connection closes it.
+  raw.send(std::vector<std::uint8_t>{7, 0, 0, 0});
+  CHECK(raw.closed_by_peer());
+  CHECK(count_of(log.text(), "a request without the magic number prefix") == 1);
 }

@@ -7,7 +7,10 @@
 //   env://                                  MASTER_ADDR and MASTER_PORT name the TCP server;
 //                                           RANK and WORLD_SIZE are read when the arguments are -1
 //                                           (else what SLURM's srun or Open MPI's mpirun set), and
-//                                           LOCAL_RANK / LOCAL_WORLD_SIZE likewise when present
+//                                           LOCAL_RANK / LOCAL_WORLD_SIZE likewise when present;
+//                                           under torchrun's agent store
+//                                           (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a
+//                                           client of the agent's server
 //
 // Where rank 0's server listens: a loopback host ("localhost", 127.0.0.1, a name resolving to
 // loopback only) keeps it on loopback, a single-host group; any other host means other hosts
@@ -31,6 +34,7 @@
 #include "distrpc/net/interfaces.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/file_store.hpp"
+#include "distrpc/store/prefix_store.hpp"
 #include "distrpc/store/store.hpp"
 #include "distrpc/store/tcp_store.hpp"
 
@@ -200,6 +204,30 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
   return std::make_shared<TCPStore>(std::move(o));
 }
 
+// Under torchrun with TORCHELASTIC_USE_AGENT_STORE set ("True", as torchrun sets it, or "1"), the
+// elastic agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT: every rank joins it as a
+// client, under the prefix PyTorch's env:// rendezvous uses there, so that Python ranks of the same
+// job see the same keys. Otherwise rank 0 hosts the server.
+inline std::shared_ptr<Store> env_store(const std::string& url, const std::string& host, int port,
+                                        int rank, int world, std::chrono::milliseconds timeout) {
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const std::string use_agent = agent ? agent : "";
+  if (use_agent != "True" && use_agent != "1") {
+    return tcp_store(url, host, port, rank, world, timeout);
+  }
+  const std::string attempt = env_or_throw("TORCHELASTIC_RESTART_COUNT");
+  int restarts = 0;
+  if (!parse_int(attempt, 0, 1 << 30, restarts)) {
+    throw DistError(
+        "Error initializing distrpc using env:// rendezvous: environment variable "
+        "TORCHELASTIC_RESTART_COUNT='" +
+        attempt + "' is not an integer in 0.." + std::to_string(1 << 30));
+  }
+  auto client = std::make_shared<TCPStore>(host, port, world, false, timeout, false);
+  return std::make_shared<PrefixStore>("/worker/attempt_" + std::to_string(restarts),
+                                       std::move(client));
+}
+
 }  // namespace detail
 
 // Connects this rank to the group's store. rank/world_size of -1 are taken from the URL (or, for
@@ -232,7 +260,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
       throw DistError("rendezvous '" + url + "': local rank " + std::to_string(local_rank) +
                       " is not below the local world size " + std::to_string(local_world));
     }
-    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout);
+    auto store = detail::env_store(url, host, port, rank, world_size, timeout);
     const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
     return {std::move(store), rank, world_size, local_rank, local_world, host, bound};
   }

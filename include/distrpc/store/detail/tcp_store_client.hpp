@@ -1,5 +1,5 @@
-// TCPStore's client side: one blocking socket per connection, dialled with backoff, each request
-// answered before the next (a store object keeps a small pool of them).
+// TCPStore's client side (c10d's protocol): one blocking socket per connection, dialled with
+// backoff, each request answered before the next (a store object keeps a small pool of them).
 #pragma once
 
 #include <netdb.h>
@@ -47,10 +47,18 @@ class ConnectionLost : public DistNetworkError {
   using DistNetworkError::DistNetworkError;
 };
 
+// No reply before the deadline; the connection is out of step and dropped.
+class ReplyTimeout : public StoreTimeoutError {
+ public:
+  using StoreTimeoutError::StoreTimeoutError;
+};
+
 class Connection {
  public:
-  // Connects, retrying until `timeout` (the server may start later), then shakes hands.
-  Connection(const std::string& host, int port, bool primary, std::chrono::milliseconds timeout)
+  // Connects, retrying until `timeout` (the server may start later), then checks that the peer
+  // speaks c10d's TCPStore protocol: a CHECK of no keys must be answered READY. (c10d has no
+  // handshake; this one is valid on every c10d server of the legacy numbering.)
+  Connection(const std::string& host, int port, std::chrono::milliseconds timeout)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
     // The server may start later: a refusal is retried like any failure until the deadline (none
@@ -70,43 +78,88 @@ class Connection {
                                   std::to_string(timeout.count()) +
                                   " ms (last error: " + end.last.text + ")");
         });
-    begin_frame(out_, kHello);
-    put_le<std::uint32_t>(out_, kMagic);
-    put_le<std::uint16_t>(out_, kVersion);
-    put_u8(out_, primary ? kPrimaryFlag : 0);
+    Buffer& b = out();
+    b.push_back(kCheckByte);
+    put_le<std::uint64_t>(b, 0);
     try {
-      Reader r = call(deadline, [] { return std::string("the handshake"); });
-      if (status_ != kOk) {
-        throw DistNetworkError("TCPStore: " + where_ + " refused the handshake: " + r.str("text"));
+      auto what = [] { return std::string("the first request"); };
+      send(deadline, what);
+      const std::uint8_t r = read_u8(deadline, what);
+      if (r != kReady) {
+        throw DistNetworkError("TCPStore: " + where_ + " answered " + std::to_string(r) +
+                               " to a CHECK of no keys: not a TCPStore server");
       }
-      r.le<std::uint16_t>("version");
     } catch (const std::exception& e) {
       fd_.reset();
       if (dynamic_cast<const DistNetworkError*>(&e)) throw;
       throw DistNetworkError("TCPStore: " + where_ +
-                             " did not complete the TCPStore handshake: " + e.what());
+                             " did not answer as a TCPStore server: " + e.what());
     }
   }
 
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // The request buffer; begin_frame(out(), op) then the fields.
+  // The request buffer: cleared by send(); append a query byte and its fields.
   Buffer& out() { return out_; }
-  std::uint8_t status() const { return status_; }
   // True once the connection is out of step with the server (a reply never came); not reusable.
   bool broken() const { return broken_; }
+  void set_broken() { broken_ = true; }
 
-  // Sends out() and reads one reply; returns a reader over its fields (valid until the next call).
-  // Throws ConnectionLost when the server goes away, StoreTimeoutError past the deadline.
-  // `describe()` names the operation in error texts; it is only called when one is thrown, so the
-  // fast path builds no strings.
+  // Sends out() and clears it. Throws ConnectionLost when the server goes away,
+  // StoreTimeoutError past the deadline. `describe()` names the operation in error texts; it is
+  // only called when one is thrown, so the fast path builds no strings.
   template <class Describe>
-  Reader call(const Deadline& deadline, const Describe& describe) {
-    end_frame(out_);
-    send_all(deadline, describe);
-    return receive(deadline, describe);
+  void send(const Deadline& deadline, const Describe& describe) {
+    std::size_t done = 0;
+    while (done < out_.size()) {
+      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+      if (n >= 0) {
+        done += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (deadline.expired()) no_answer(describe());
+        continue;
+      }
+      lost(describe(), net::errno_text(errno));
+    }
+    out_.clear();
   }
+
+  template <class Describe>
+  std::uint8_t read_u8(const Deadline& deadline, const Describe& describe) {
+    std::uint8_t v = 0;
+    read_exact(&v, 1, deadline, describe);
+    return v;
+  }
+  template <class T, class Describe>
+  T read_le(const Deadline& deadline, const Describe& describe) {
+    std::uint8_t raw[sizeof(T)];
+    read_exact(raw, sizeof raw, deadline, describe);
+    std::make_unsigned_t<T> v = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i) {
+      v |= static_cast<std::make_unsigned_t<T>>(raw[i]) << (8 * i);
+    }
+    return static_cast<T>(v);
+  }
+  // A byte vector (u64 length, bytes), its length checked against Store::kMaxValueBytes.
+  template <class Describe>
+  Bytes read_bytes(const Deadline& deadline, const Describe& describe) {
+    const auto n = read_le<std::uint64_t>(deadline, describe);
+    if (n > Store::kMaxValueBytes) {
+      broken_ = true;
+      throw DistNetworkError("TCPStore: malformed reply from " + where_ + " during " + describe() +
+                             " (a value of " + std::to_string(n) + " bytes, over the limit of " +
+                             std::to_string(Store::kMaxValueBytes) + ")");
+    }
+    Bytes v(static_cast<std::size_t>(n));
+    if (n > 0) read_exact(v.data(), v.size(), deadline, describe);
+    return v;
+  }
+
+  const std::string& where() const { return where_; }
 
  private:
   // One attempt per resolved address; nullopt with `last_error` set when none answers.
@@ -177,51 +230,21 @@ class Connection {
 
   [[noreturn]] void no_answer(const std::string& what) {
     broken_ = true;
-    throw StoreTimeoutError("TCPStore(" + where_ + "): Timeout: no answer from the server within " +
-                            "the deadline of " + what);
+    throw ReplyTimeout("TCPStore(" + where_ + "): Timeout: no answer from the server within " +
+                       "the deadline of " + what);
   }
 
   template <class Describe>
-  void send_all(const Deadline& deadline, const Describe& what) {
-    std::size_t done = 0;
-    while (done < out_.size()) {
-      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
-      if (n >= 0) {
-        done += static_cast<std::size_t>(n);
-        continue;
-      }
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (deadline.expired()) no_answer(what());
-        continue;
-      }
-      lost(what(), net::errno_text(errno));
-    }
-  }
-
-  template <class Describe>
-  Reader receive(const Deadline& deadline, const Describe& what) {
+  void read_exact(void* dst, std::size_t n, const Deadline& deadline, const Describe& what) {
+    auto* p = static_cast<std::uint8_t*>(dst);
     std::size_t have = 0;
-    std::size_t need = 5;  // length and status
-    if (in_.size() < 4096) in_.resize(4096);
-    for (;;) {
-      if (have >= 4) {
-        const std::size_t len = read_le32(in_.data());
-        if (len == 0 || len > kMaxFrameBytes) {
-          broken_ = true;
-          throw DistNetworkError("TCPStore: malformed reply from " + where_ + " during " + what() +
-                                 " (frame length " + std::to_string(len) + ")");
-        }
-        need = 4 + len;
-        if (have >= need) break;
-        if (in_.size() < need) in_.resize(need);
-      }
-      const ssize_t n = ::recv(fd_.get(), in_.data() + have, in_.size() - have, 0);
-      if (n > 0) {
-        have += static_cast<std::size_t>(n);
+    while (have < n) {
+      const ssize_t got = ::recv(fd_.get(), p + have, n - have, 0);
+      if (got > 0) {
+        have += static_cast<std::size_t>(got);
         continue;
       }
-      if (n == 0) lost(what(), "the server closed the connection");
+      if (got == 0) lost(what(), "the server closed the connection");
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         if (deadline.expired()) no_answer(what());
@@ -229,20 +252,11 @@ class Connection {
       }
       lost(what(), net::errno_text(errno));
     }
-    if (have != need) {
-      // The server never sends ahead of a request.
-      broken_ = true;
-      throw DistNetworkError("TCPStore: " + where_ + " sent more than one reply during " + what());
-    }
-    status_ = in_[4];
-    return Reader(in_.data() + 5, need - 5);
   }
 
   std::string where_;
   net::Fd fd_;
   Buffer out_;
-  Buffer in_;
-  std::uint8_t status_ = 0;
   bool broken_ = false;
 };
 

@@ -1,66 +1,94 @@
-// TCPStore's wire protocol (described in store/tcp_store.hpp): opcodes, statuses, limits, and the
-// frame writer and reader both ends use.
+// TCPStore's wire protocol, PyTorch c10d's (described in store/tcp_store.hpp): query types of both
+// numberings, reply codes, limits, the request writer and the incremental request reader.
 #pragma once
 
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-#include <unistd.h>
-
-#include <fcntl.h>
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <condition_variable>
-#include <cstdio>
+#include <cstdint>
 #include <cstring>
-#include <deque>
-#include <memory>
-#include <mutex>
-#include <optional>
+#include <stdexcept>
 #include <string>
-#include <thread>
+#include <string_view>
 #include <type_traits>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
-#include "distrpc/log.hpp"
-#include "distrpc/net/dial.hpp"
-#include "distrpc/net/errno_text.hpp"
-#include "distrpc/net/fd.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
-
 namespace distrpc::store::detail {
 
-inline constexpr std::uint32_t kMagic = 0x53545244;  // "DRTS"
-inline constexpr std::uint16_t kVersion = 1;
-inline constexpr std::uint8_t kPrimaryFlag = 1;
-// The largest legal request: COMPARE_SET with a maximal key and two maximal values.
-inline constexpr std::size_t kMaxFrameBytes = 2 * Store::kMaxValueBytes + Store::kMaxKeyBytes + 64;
-// A client waits this much longer than the timeout it gave the server before it calls the server
-// unresponsive: the server's own timeout reply should always arrive first.
+// What a PyTorch >= 2.2 client sends first (after the VALIDATE query type); it switches the
+// connection to the current numbering of query types.
+inline constexpr std::uint32_t kValidateMagic = 0x3C85F7CE;
+// c10d's TCPStore puts this before every user key; its constructor registers itself with an add on
+// kInitKey (unprefixed), which a master with wait_for_workers counts.
+inline constexpr std::string_view kKeyPrefix = "/";
+inline constexpr std::string_view kInitKey = "init/";
+// Keys in one CHECK / WAIT / MULTI_GET / MULTI_SET. c10d's own server allows 128 Ki; every key
+// costs at least its 8-byte length on the wire, so this bounds only the bookkeeping of one request.
+inline constexpr std::uint64_t kMaxKeysPerRequest = 128 * 1024;
+// The largest request the server buffers: a COMPARE_SET with a maximal key and two maximal values
+// (MULTI_SET requests are held to the same total).
+inline constexpr std::size_t kMaxRequestBytes =
+    2 * Store::kMaxValueBytes + Store::kMaxKeyBytes + 64;
+// A client waits this much longer than its own timeout for a reply that a server must send at
+// once (the answer to a cancelled wait, say) before it calls the server unresponsive.
 inline constexpr std::chrono::milliseconds kClientGrace{2000};
 
-enum Op : std::uint8_t {
-  kHello = 1,
-  kSet = 2,
-  kGet = 3,
-  kAdd = 4,
-  kCompareSet = 5,
-  kCheck = 6,
-  kWait = 7,
-  kDelete = 8,
-  kNumKeys = 9,
+// The operations, independent of how a connection numbers them.
+enum class Query : std::uint8_t {
+  kSet,
+  kCompareSet,
+  kGet,
+  kAdd,
+  kCheck,
+  kWait,
+  kNumKeys,
+  kWatchKey,
+  kDelete,
+  kAppend,
+  kMultiGet,
+  kMultiSet,
+  kCancelWait,
+  kPing,
+  kUnknown,
 };
-enum Status : std::uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 
-// A frame that does not follow the protocol; the text says how.
+// PyTorch 1.13 to 2.1 number the query types from SET = 0 (WATCH_KEY at 7); this is what a
+// connection that did not start with VALIDATE speaks, and what distrpc's client sends.
+inline Query legacy_query(std::uint8_t b) {
+  static constexpr Query kTable[] = {
+      Query::kSet,      Query::kCompareSet, Query::kGet,       Query::kAdd,    Query::kCheck,
+      Query::kWait,     Query::kNumKeys,    Query::kWatchKey,  Query::kDelete, Query::kAppend,
+      Query::kMultiGet, Query::kMultiSet,   Query::kCancelWait};
+  return b < std::size(kTable) ? kTable[b] : Query::kUnknown;
+}
+// PyTorch >= 2.2 puts VALIDATE at 0, drops WATCH_KEY and adds PING after CANCEL_WAIT.
+inline Query validated_query(std::uint8_t b) {
+  static constexpr Query kTable[] = {
+      Query::kUnknown,  Query::kSet,      Query::kCompareSet, Query::kGet,    Query::kAdd,
+      Query::kCheck,    Query::kWait,     Query::kNumKeys,    Query::kDelete, Query::kAppend,
+      Query::kMultiGet, Query::kMultiSet, Query::kCancelWait, Query::kPing};
+  return b < std::size(kTable) ? kTable[b] : Query::kUnknown;
+}
+// The legacy byte of each query distrpc's client sends.
+enum LegacyByte : std::uint8_t {
+  kSetByte = 0,
+  kCompareSetByte = 1,
+  kGetByte = 2,
+  kAddByte = 3,
+  kCheckByte = 4,
+  kWaitByte = 5,
+  kNumKeysByte = 6,
+  kDeleteByte = 8,
+};
+inline constexpr std::uint8_t kValidateByte = 0;
+
+// Replies of CHECK and WAIT / CANCEL_WAIT.
+inline constexpr std::uint8_t kReady = 0;
+inline constexpr std::uint8_t kNotReady = 1;
+inline constexpr std::uint8_t kStopWaiting = 0;
+inline constexpr std::uint8_t kWaitCanceled = 1;
+
+// Bytes that do not follow the protocol; the text says how.
 class WireError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -68,17 +96,16 @@ class WireError : public std::runtime_error {
 
 using Buffer = std::vector<std::uint8_t>;
 
-inline void put_u8(Buffer& b, std::uint8_t v) {
-  b.push_back(v);
-}
+// Integers go in host order, as c10d sends them (its peers are little-endian machines).
 template <class T>
 inline void put_le(Buffer& b, T v) {
   using U = std::make_unsigned_t<T>;
   const auto u = static_cast<U>(v);
   for (std::size_t i = 0; i < sizeof(T); ++i) b.push_back(static_cast<std::uint8_t>(u >> (8 * i)));
 }
+// A string or byte vector: u64 length, bytes.
 inline void put_str(Buffer& b, const void* p, std::size_t n) {
-  put_le<std::uint32_t>(b, static_cast<std::uint32_t>(n));
+  put_le<std::uint64_t>(b, n);
   const auto* c = static_cast<const std::uint8_t*>(p);
   b.insert(b.end(), c, c + n);
 }
@@ -88,33 +115,30 @@ inline void put_str(Buffer& b, std::string_view s) {
 inline void put_str(Buffer& b, const Bytes& s) {
   put_str(b, s.data(), s.size());
 }
-
-// Starts a frame: room for the length, then the first byte. end_frame() fills the length in.
-inline void begin_frame(Buffer& b, std::uint8_t first) {
-  b.clear();
-  b.resize(4);
-  b.push_back(first);
-}
-inline void end_frame(Buffer& b) {
-  const auto n = static_cast<std::uint32_t>(b.size() - 4);
-  for (int i = 0; i < 4; ++i) b[i] = static_cast<std::uint8_t>(n >> (8 * i));
-}
-inline std::uint32_t read_le32(const std::uint8_t* p) {
-  return std::uint32_t(p[0]) | std::uint32_t(p[1]) << 8 | std::uint32_t(p[2]) << 16 |
-         std::uint32_t(p[3]) << 24;
+// A user key as c10d's TCPStore writes it: prefixed.
+inline void put_key(Buffer& b, std::string_view key) {
+  put_le<std::uint64_t>(b, kKeyPrefix.size() + key.size());
+  b.insert(b.end(), kKeyPrefix.begin(), kKeyPrefix.end());
+  b.insert(b.end(), key.begin(), key.end());
 }
 
-// Bounds-checked reading of one frame body; every overrun is a WireError naming the field.
+// Thrown by Reader when the bytes buffered so far end inside the request: wait for more.
+struct NeedMore {};
+
+// Bounds-checked reading of one request from the bytes buffered so far. c10d's requests carry no
+// overall length, so every length and count is checked against its limit as soon as it is read
+// (WireError), and a request cut short by the buffer end throws NeedMore (the caller retries from
+// the start once more bytes came; nothing is consumed before a request is complete).
 class Reader {
  public:
   Reader(const std::uint8_t* p, std::size_t n) : p_(p), n_(n) {}
-  std::uint8_t u8(const char* what) {
-    need(1, what);
+  std::uint8_t u8() {
+    need(1);
     return p_[at_++];
   }
   template <class T>
-  T le(const char* what) {
-    need(sizeof(T), what);
+  T le() {
+    need(sizeof(T));
     std::make_unsigned_t<T> v = 0;
     for (std::size_t i = 0; i < sizeof(T); ++i) {
       v |= static_cast<std::make_unsigned_t<T>>(p_[at_ + i]) << (8 * i);
@@ -122,41 +146,40 @@ class Reader {
     at_ += sizeof(T);
     return static_cast<T>(v);
   }
-  std::string str(const char* what) {
-    const auto n = le<std::uint32_t>(what);
-    need(n, what);
+  std::string key(const char* what) {
+    const auto n = length(what, Store::kMaxKeyBytes + kKeyPrefix.size());
     std::string s(reinterpret_cast<const char*>(p_ + at_), n);
     at_ += n;
     return s;
   }
   Bytes bytes(const char* what) {
-    const auto n = le<std::uint32_t>(what);
-    need(n, what);
+    const auto n = length(what, Store::kMaxValueBytes);
     Bytes b(p_ + at_, p_ + at_ + n);
     at_ += n;
     return b;
   }
-  std::vector<std::string> strs(const char* what) {
-    const auto n = le<std::uint32_t>(what);
-    // Each string takes at least 4 bytes: refuse a count the frame cannot hold before reserving.
-    if (n > (n_ - at_) / 4) {
+  std::uint64_t count(const char* what) {
+    const auto n = le<std::uint64_t>();
+    if (n > kMaxKeysPerRequest) {
       throw WireError(std::string("the ") + what + " count " + std::to_string(n) +
-                      " exceeds what the frame can hold");
+                      " is over the limit of " + std::to_string(kMaxKeysPerRequest));
     }
-    std::vector<std::string> out;
-    out.reserve(n);
-    for (std::uint32_t i = 0; i < n; ++i) out.push_back(str(what));
-    return out;
+    return n;
   }
-  void finish() const {
-    if (at_ != n_) {
-      throw WireError(std::to_string(n_ - at_) + " unexpected bytes after the last field");
-    }
-  }
+  std::size_t consumed() const { return at_; }
 
  private:
-  void need(std::size_t k, const char* what) const {
-    if (n_ - at_ < k) throw WireError(std::string("the frame ends inside the ") + what);
+  std::size_t length(const char* what, std::size_t limit) {
+    const auto n = le<std::uint64_t>();
+    if (n > limit) {
+      throw WireError(std::string("the ") + what + " length " + std::to_string(n) +
+                      " is over the limit of " + std::to_string(limit) + " bytes");
+    }
+    need(static_cast<std::size_t>(n));
+    return static_cast<std::size_t>(n);
+  }
+  void need(std::size_t k) const {
+    if (n_ - at_ < k) throw NeedMore{};
   }
   const std::uint8_t* p_;
   std::size_t n_;

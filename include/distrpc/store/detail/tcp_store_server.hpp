@@ -1,5 +1,6 @@
-// TCPStore's server: an Asio acceptor and every connection on one I/O thread, answering GET and
-// WAIT when their keys appear, closing only a connection that breaks the protocol.
+// TCPStore's server, speaking c10d's protocol: an Asio acceptor and every connection on one I/O
+// thread, answering WAIT and GET when their keys appear, closing only a connection that breaks the
+// protocol.
 #pragma once
 
 #include <netdb.h>
@@ -12,12 +13,12 @@
 
 #include <fcntl.h>
 #include <algorithm>
-#include <atomic>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/write.hpp>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -107,30 +108,45 @@ class Server {
 
   std::uint16_t port() const { return port_; }
 
-  // Waits until `count` store objects have connected since the start; returns how many did.
+  // Waits until the registration counter (c10d's "init/" key: every store object that knows the
+  // world size adds 1 to it when it connects) reaches `count`; returns its last value.
   int wait_for_clients(int count, std::chrono::milliseconds timeout) {
     std::unique_lock lock(hello_mu_);
     const Deadline deadline(timeout);
-    auto enough = [&] { return primaries_ >= count; };
+    auto enough = [&] { return registered_ >= count; };
     if (deadline.infinite()) {
       hello_cv_.wait(lock, enough);
     } else {
       hello_cv_.wait_until(lock, deadline.at(), enough);
     }
-    return primaries_;
+    return static_cast<int>(registered_);
   }
 
  private:
   struct Session;
 
-  // A get() or wait() parked until its keys exist or its timer fires.
+  // A WAIT, GET or MULTI_GET parked until its keys exist. c10d's requests carry no timeout: the
+  // client gives up on its own (closing the connection, or with CANCEL_WAIT).
   struct Waiter {
-    explicit Waiter(asio::io_context& io) : timer(io) {}
     std::weak_ptr<Session> session;
-    bool is_get = false;
+    Query query = Query::kWait;
     bool done = false;
     std::vector<std::string> keys;
-    asio::steady_timer timer;
+  };
+
+  // How a connection numbers its query types: unknown until its first request.
+  // kPrefixed: some PyTorch 2.x releases put the magic number before every query type instead of
+  // sending VALIDATE once; the query types are then numbered as after VALIDATE.
+  enum class Numbering { kUnknown, kLegacy, kValidated, kPrefixed };
+
+  // One parsed request; nothing is executed before the whole request has arrived.
+  struct Request {
+    Query query = Query::kUnknown;
+    std::uint8_t byte = 0;
+    std::vector<std::string> keys;
+    std::vector<Bytes> values;
+    std::int64_t delta = 0;
+    std::uint32_t nonce = 0;
   };
 
   struct Session : std::enable_shared_from_this<Session> {
@@ -142,25 +158,22 @@ class Server {
     }
 
     void start() {
+      // c10d has no handshake: a connection proves itself with its first complete request.
       hello_timer.expires_after(server.handshake_timeout_);
       hello_timer.async_wait([weak = weak_from_this()](asio::error_code ec) {
         auto self = weak.lock();
         if (ec || !self || self->closed || self->greeted) return;
-        self->fail("no handshake within " +
-                   std::to_string(self->server.handshake_timeout_.count()) + " ms");
+        self->fail("no request within " + std::to_string(self->server.handshake_timeout_.count()) +
+                   " ms");
       });
       read_more();
     }
 
     void read_more() {
-      // Grow by what arrives, never by what a length prefix claims: a peer announcing 128 MiB and
-      // sending nothing costs 64 KiB.
-      std::size_t want = 64 * 1024;
-      if (in_len >= 4) {
-        const std::size_t frame = 4 + static_cast<std::size_t>(read_le32(in.data()));
-        if (frame > in_len) want = std::max(want, std::min(frame - in_len, in_len));
-      }
-      if (in.size() - in_len < want) in.resize(in_len + want);
+      // Grow by what arrives, never by what a length field claims: a peer announcing a 64 MiB
+      // value and sending nothing costs 64 KiB. A partial request doubles the room at most.
+      const std::size_t want = std::max<std::size_t>(64 * 1024, in_len);
+      if (in.size() - in_len < want / 2 || in.size() == in_len) in.resize(in_len + want);
       reading = true;
       socket.async_read_some(asio::buffer(in.data() + in_len, in.size() - in_len),
                              [self = shared_from_this()](asio::error_code ec, std::size_t n) {
@@ -177,7 +190,7 @@ class Server {
           close();  // an orderly goodbye between requests
         } else if (ec == asio::error::eof) {
           fail("disconnected mid-request (" + std::to_string(in_len) +
-               " bytes of an unfinished frame received)");
+               " bytes of an unfinished request received)");
         } else {
           fail("read error: " + ec.message());
         }
@@ -187,11 +200,11 @@ class Server {
       pump();
     }
 
-    // Serves the whole frames already buffered, then reads on. A frame is served only once the
-    // previous reply has been written, and nothing is read while a reply is being written, so a
-    // client that sends requests without reading replies cannot make the server queue replies
-    // without bound. (While a get/wait is parked the reading goes on: that is how a disconnect or
-    // a protocol violation is noticed.)
+    // Serves the whole requests already buffered, then reads on. A request is served only once
+    // the previous reply has been written, and nothing is read while a reply is being written, so
+    // a client that sends requests without reading replies cannot make the server queue replies
+    // without bound. (While a wait is parked the reading goes on: that is how a disconnect, a
+    // CANCEL_WAIT or a protocol violation is noticed.)
     void pump() {
       try {
         process();
@@ -199,7 +212,8 @@ class Server {
         fail(e.what());
         return;
       } catch (const std::exception& e) {
-        // Out of memory for a big value, say: this connection cannot be served, the others can.
+        // A counter that is not a number, out of memory for a big value: c10d's protocol has no
+        // error reply, so this connection is closed (as c10d's server does); the others go on.
         fail(std::string("cannot serve the request: ") + e.what());
         return;
       }
@@ -208,16 +222,17 @@ class Server {
 
     void process() {
       std::size_t at = 0;
-      while (in_len - at >= 4 && out.empty()) {
-        const std::uint32_t len = read_le32(in.data() + at);
-        if (len == 0 || len > kMaxFrameBytes) {
-          throw WireError("frame length " + std::to_string(len) + " is outside 1.." +
-                          std::to_string(kMaxFrameBytes));
+      while (at < in_len && out.empty()) {
+        std::size_t used = 0;
+        try {
+          used = server.serve_one(*this, in.data() + at, in_len - at);
+        } catch (const NeedMore&) {
+          if (in_len - at > kMaxRequestBytes) {
+            throw WireError("a request larger than " + std::to_string(kMaxRequestBytes) + " bytes");
+          }
+          break;
         }
-        if (in_len - at - 4 < len) break;
-        if (pending) throw WireError("a new request arrived while a get/wait was pending");
-        server.handle(*this, in.data() + at + 4, len);
-        at += 4 + static_cast<std::size_t>(len);
+        at += used;
         if (closed) return;
       }
       if (at > 0) {
@@ -228,9 +243,9 @@ class Server {
       if (in_len == 0 && in.size() > (1u << 20)) in = Buffer();
     }
 
-    void send(Buffer frame) {
+    void send(Buffer bytes) {
       if (closed) return;
-      out.push_back(std::move(frame));
+      out.push_back(std::move(bytes));
       if (out.size() == 1) write_front();
     }
 
@@ -283,8 +298,9 @@ class Server {
     Buffer in;
     std::size_t in_len = 0;
     std::deque<Buffer> out;
+    Numbering numbering = Numbering::kUnknown;
     bool reading = false;  // an async_read_some is outstanding
-    bool greeted = false;
+    bool greeted = false;  // a first complete request arrived
     bool closed = false;
     std::shared_ptr<Waiter> pending;
   };
@@ -310,212 +326,281 @@ class Server {
     });
   }
 
-  static Buffer reply(Status st) {
-    Buffer b;
-    begin_frame(b, st);
-    return b;
-  }
-  static Buffer finish(Buffer b) {
-    end_frame(b);
-    return b;
+  static std::string byte_text(std::uint8_t b) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02x", b);
+    return hex;
   }
 
-  void handle(Session& s, const std::uint8_t* p, std::size_t n) {
+  // Parses one request from the front of [p, p + n) and serves it; returns the bytes it took.
+  // NeedMore when the request is not complete yet, WireError when it breaks the protocol.
+  std::size_t serve_one(Session& s, const std::uint8_t* p, std::size_t n) {
     Reader r(p, n);
-    const std::uint8_t op = r.u8("opcode");
-    if (!s.greeted) {
-      if (op != kHello) {
-        throw WireError("the first frame has opcode " + std::to_string(op) +
-                        ", not the TCPStore handshake");
+    std::uint8_t byte = r.u8();
+    if (s.numbering == Numbering::kUnknown && byte == (kValidateMagic & 0xff)) {
+      // 0xce is no query type of either numbering: only the magic number can start this way.
+      Reader probe(p, n);
+      if (probe.le<std::uint32_t>() == kValidateMagic) s.numbering = Numbering::kPrefixed;
+    }
+    if (s.numbering == Numbering::kPrefixed) {
+      r = Reader(p, n);
+      const auto magic = r.le<std::uint32_t>();
+      if (magic != kValidateMagic) {
+        throw WireError("a request without the magic number prefix (" + std::to_string(magic) +
+                        ")");
       }
-      const auto magic = r.le<std::uint32_t>("handshake magic");
-      const auto version = r.le<std::uint16_t>("handshake version");
-      const auto flags = r.u8("handshake flags");
-      r.finish();
-      if (magic != kMagic) throw WireError("wrong handshake magic: not a TCPStore client");
-      if (version != kVersion) {
-        Buffer b = reply(kError);
-        put_str(b, "TCPStore server speaks protocol version " + std::to_string(kVersion) +
-                       ", the client " + std::to_string(version));
-        s.send(finish(std::move(b)));
-        return;
-      }
-      s.greeted = true;
-      s.hello_timer.cancel();
-      if (flags & kPrimaryFlag) {
-        {
-          std::lock_guard lock(hello_mu_);
-          ++primaries_;
+      byte = r.u8();
+      if (byte == kValidateByte) {
+        if (r.le<std::uint32_t>() != kValidateMagic) {
+          throw WireError("VALIDATE with a wrong magic number");
         }
-        hello_cv_.notify_all();
+        greet(s);
+        return r.consumed();
       }
-      Buffer b = reply(kOk);
-      put_le<std::uint16_t>(b, kVersion);
-      s.send(finish(std::move(b)));
-      return;
     }
-    try {
-      dispatch(s, op, r);
-    } catch (const DistStoreError& e) {
-      // Well-formed but refused (size limits, add on a non-number): the connection stays usable.
-      Buffer b = reply(kError);
-      put_str(b, std::string(e.what()));
-      s.send(finish(std::move(b)));
+    if (s.numbering == Numbering::kUnknown || s.numbering == Numbering::kValidated) {
+      if (byte == kValidateByte) {
+        // PyTorch >= 2.2 opens with VALIDATE and its magic. Under the old numbering byte 0 is
+        // SET, whose u64 key length could never start with the magic and stay under the key limit.
+        const auto magic = r.le<std::uint32_t>();
+        if (magic == kValidateMagic) {
+          s.numbering = Numbering::kValidated;
+          greet(s);
+          return r.consumed();
+        }
+        if (s.numbering == Numbering::kValidated) {
+          throw WireError("VALIDATE with a wrong magic number " + std::to_string(magic));
+        }
+        r = Reader(p, n);
+        r.u8();
+      }
     }
+    if (s.numbering == Numbering::kUnknown) s.numbering = Numbering::kLegacy;
+    Request q;
+    q.byte = byte;
+    q.query = s.numbering == Numbering::kLegacy ? legacy_query(byte) : validated_query(byte);
+    parse(q, r);
+    if (s.pending && q.query != Query::kCancelWait) {
+      // A PyTorch 1.13 client whose wait timed out goes on with its next request without
+      // cancelling: the wait is abandoned. Dropping it here also spares that client a stale
+      // STOP_WAITING later (c10d's own server would still send one).
+      drop_waiter(s.pending);
+      s.pending.reset();
+    }
+    greet(s);
+    execute(s, q);
+    return r.consumed();
   }
 
-  void dispatch(Session& s, std::uint8_t op, Reader& r) {
-    static constexpr const char* kName = "TCPStore server";
-    switch (op) {
-      case kSet: {
-        auto key = r.str("key");
-        auto value = r.bytes("value");
-        r.finish();
-        check_key(kName, "set", key);
-        check_value(kName, "set", key, value.size());
-        map_[key] = std::move(value);
-        s.send(finish(reply(kOk)));
-        wake(key);
+  static void greet(Session& s) {
+    if (s.greeted) return;
+    s.greeted = true;
+    s.hello_timer.cancel();
+  }
+
+  static void parse(Request& q, Reader& r) {
+    switch (q.query) {
+      case Query::kSet:
+      case Query::kAppend:
+        q.keys.push_back(r.key("key"));
+        q.values.push_back(r.bytes("value"));
+        return;
+      case Query::kCompareSet:
+        q.keys.push_back(r.key("key"));
+        q.values.push_back(r.bytes("expected value"));
+        q.values.push_back(r.bytes("desired value"));
+        return;
+      case Query::kGet:
+      case Query::kDelete:
+        q.keys.push_back(r.key("key"));
+        return;
+      case Query::kAdd:
+        q.keys.push_back(r.key("key"));
+        q.delta = r.le<std::int64_t>();
+        return;
+      case Query::kCheck:
+      case Query::kWait:
+      case Query::kMultiGet: {
+        const auto count = r.count("key");
+        for (std::uint64_t i = 0; i < count; ++i) q.keys.push_back(r.key("key"));
         return;
       }
-      case kGet:
-      case kWait: {
-        std::vector<std::string> keys;
-        if (op == kGet) {
-          keys.push_back(r.str("key"));
-        } else {
-          keys = r.strs("key");
+      case Query::kMultiSet: {
+        const auto count = r.count("key");
+        for (std::uint64_t i = 0; i < count; ++i) {
+          q.keys.push_back(r.key("key"));
+          q.values.push_back(r.bytes("value"));
         }
-        const auto timeout_ms = r.le<std::uint64_t>("timeout");
-        r.finish();
-        for (const auto& k : keys) check_key(kName, op == kGet ? "get" : "wait", k);
-        park(s, op == kGet, std::move(keys), timeout_ms);
         return;
       }
-      case kAdd: {
-        auto key = r.str("key");
-        const auto delta = r.le<std::int64_t>("delta");
-        r.finish();
-        check_key(kName, "add", key);
-        auto it = map_.find(key);
-        const std::int64_t old = it == map_.end() ? 0 : parse_counter(kName, key, it->second);
-        const std::int64_t now = checked_add(kName, key, old, delta);
-        map_[key] = format_counter(now);
-        Buffer b = reply(kOk);
-        put_le<std::int64_t>(b, now);
-        s.send(finish(std::move(b)));
-        wake(key);
+      case Query::kPing:
+        q.nonce = r.le<std::uint32_t>();
+        return;
+      case Query::kNumKeys:
+      case Query::kCancelWait:
+        return;
+      case Query::kWatchKey:
+        throw WireError("WATCH_KEY (key change callbacks) is not supported by this server");
+      case Query::kUnknown:
+        break;
+    }
+    throw WireError("unknown query type " + byte_text(q.byte));
+  }
+
+  void execute(Session& s, Request& q) {
+    static constexpr const char* kName = "TCPStore server";
+    switch (q.query) {
+      case Query::kSet:
+        put(q.keys[0], std::move(q.values[0]));
+        return;
+      case Query::kMultiSet:
+        for (std::size_t i = 0; i < q.keys.size(); ++i) put(q.keys[i], std::move(q.values[i]));
+        return;
+      case Query::kAppend: {
+        auto& v = map_[q.keys[0]];
+        if (v.size() + q.values[0].size() > Store::kMaxValueBytes) {
+          throw WireError("APPEND would grow the value of " + quote_key(q.keys[0]) +
+                          " over the limit of " + std::to_string(Store::kMaxValueBytes) + " bytes");
+        }
+        v.insert(v.end(), q.values[0].begin(), q.values[0].end());
+        changed(q.keys[0]);
         return;
       }
-      case kCompareSet: {
-        auto key = r.str("key");
-        auto expected = r.bytes("expected value");
-        auto desired = r.bytes("desired value");
-        r.finish();
-        check_key(kName, "compare_set", key);
-        check_value(kName, "compare_set", key, expected.size());
-        check_value(kName, "compare_set", key, desired.size());
-        Buffer b = reply(kOk);
+      case Query::kCompareSet: {
+        const std::string& key = q.keys[0];
+        Bytes& expected = q.values[0];
+        Bytes& desired = q.values[1];
+        Buffer b;
         auto it = map_.find(key);
-        bool changed = false;
         if (it == map_.end()) {
           if (expected.empty()) {
             put_str(b, desired);
-            map_.emplace(key, std::move(desired));
-            changed = true;
+            put(key, std::move(desired));
           } else {
+            // c10d answers the expected value when the key is missing; so do we.
             put_str(b, expected);
           }
         } else if (it->second == expected) {
           put_str(b, desired);
-          it->second = std::move(desired);
-          changed = true;
+          put(key, std::move(desired));
         } else {
           put_str(b, it->second);
         }
-        s.send(finish(std::move(b)));
-        if (changed) wake(key);
+        s.send(std::move(b));
         return;
       }
-      case kCheck: {
-        auto keys = r.strs("key");
-        r.finish();
-        for (const auto& k : keys) check_key(kName, "check", k);
-        Buffer b = reply(kOk);
-        put_u8(b, all_present(keys) ? 1 : 0);
-        s.send(finish(std::move(b)));
+      case Query::kAdd: {
+        const std::string& key = q.keys[0];
+        auto it = map_.find(key);
+        const std::int64_t old = it == map_.end() ? 0 : parse_counter(kName, key, it->second);
+        const std::int64_t now = checked_add(kName, key, old, q.delta);
+        Buffer b;
+        put_le<std::int64_t>(b, now);
+        s.send(std::move(b));
+        put(key, format_counter(now));
         return;
       }
-      case kDelete: {
-        auto key = r.str("key");
-        r.finish();
-        check_key(kName, "delete_key", key);
-        Buffer b = reply(kOk);
-        put_u8(b, map_.erase(key) > 0 ? 1 : 0);
-        s.send(finish(std::move(b)));
+      case Query::kCheck: {
+        Buffer b;
+        b.push_back(all_present(q.keys) ? kReady : kNotReady);
+        s.send(std::move(b));
         return;
       }
-      case kNumKeys: {
-        r.finish();
-        Buffer b = reply(kOk);
+      case Query::kGet:
+      case Query::kWait:
+      case Query::kMultiGet:
+        park(s, q.query, std::move(q.keys));
+        return;
+      case Query::kCancelWait: {
+        if (s.pending) drop_waiter(s.pending);
+        s.pending.reset();
+        s.send(Buffer{kWaitCanceled});
+        return;
+      }
+      case Query::kNumKeys: {
+        Buffer b;
         put_le<std::int64_t>(b, static_cast<std::int64_t>(map_.size()));
-        s.send(finish(std::move(b)));
+        s.send(std::move(b));
         return;
       }
-      case kHello:
-        throw WireError("a second handshake on one connection");
-      default: {
-        char hex[8];
-        std::snprintf(hex, sizeof hex, "0x%02x", op);
-        throw WireError(std::string("unknown opcode ") + hex);
+      case Query::kDelete: {
+        Buffer b;
+        const bool existed = map_.erase(q.keys[0]) > 0;
+        put_le<std::int64_t>(b, existed ? 1 : 0);
+        s.send(std::move(b));
+        if (existed && q.keys[0] == kInitKey) count_registrations();
+        return;
+      }
+      case Query::kPing: {
+        Buffer b;
+        put_le<std::uint32_t>(b, q.nonce);
+        s.send(std::move(b));
+        return;
+      }
+      case Query::kWatchKey:
+      case Query::kUnknown:
+        break;
+    }
+    throw WireError("unknown query type " + byte_text(q.byte));
+  }
+
+  void put(const std::string& key, Bytes value) {
+    map_[key] = std::move(value);
+    changed(key);
+  }
+
+  void changed(const std::string& key) {
+    if (key == kInitKey) count_registrations();
+    wake(key);
+  }
+
+  // Publishes the value of "init/" to wait_for_clients(); a value that is not a counter reads 0.
+  void count_registrations() {
+    std::int64_t n = 0;
+    auto it = map_.find(std::string(kInitKey));
+    if (it != map_.end()) {
+      try {
+        n = parse_counter("TCPStore server", kInitKey, it->second);
+      } catch (const DistStoreError&) {
+        n = 0;
       }
     }
+    {
+      std::lock_guard lock(hello_mu_);
+      registered_ = n;
+    }
+    hello_cv_.notify_all();
   }
 
   bool all_present(const std::vector<std::string>& keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return map_.contains(k); });
   }
 
-  // Answers at once when the keys exist, else parks the request until wake() or its timer.
-  void park(Session& s, bool is_get, std::vector<std::string> keys, std::uint64_t timeout_ms) {
+  // Answers at once when the keys exist, else parks the request until wake() (or the client's
+  // CANCEL_WAIT or disconnect).
+  void park(Session& s, Query query, std::vector<std::string> keys) {
     if (all_present(keys)) {
-      answer_ready(s, is_get, keys);
+      answer_ready(s, query, keys);
       return;
     }
-    auto w = std::make_shared<Waiter>(io_);
+    auto w = std::make_shared<Waiter>();
     w->session = s.weak_from_this();
-    w->is_get = is_get;
+    w->query = query;
     w->keys = std::move(keys);
     for (const auto& k : w->keys) {
       if (!map_.contains(k)) waiters_[k].push_back(w);
     }
     s.pending = w;
-    if (timeout_ms > 0) {
-      w->timer.expires_after(
-          std::chrono::milliseconds(std::min<std::uint64_t>(timeout_ms, std::uint64_t(1) << 40)));
-      w->timer.async_wait([this, weak = std::weak_ptr<Waiter>(w)](asio::error_code ec) {
-        auto waiter = weak.lock();
-        if (ec || !waiter || waiter->done) return;
-        auto session = waiter->session.lock();
-        drop_waiter(waiter);
-        if (!session || session->closed) return;
-        session->pending.reset();
-        Buffer b = reply(kTimeout);
-        std::vector<std::string> missing;
-        for (const auto& k : waiter->keys) {
-          if (!map_.contains(k)) missing.push_back(k);
-        }
-        put_le<std::uint32_t>(b, static_cast<std::uint32_t>(missing.size()));
-        for (const auto& k : missing) put_str(b, k);
-        session->send(finish(std::move(b)));
-      });
-    }
   }
 
-  void answer_ready(Session& s, bool is_get, const std::vector<std::string>& keys) {
-    Buffer b = reply(kOk);
-    if (is_get) put_str(b, map_.at(keys[0]));
-    s.send(finish(std::move(b)));
+  void answer_ready(Session& s, Query query, const std::vector<std::string>& keys) {
+    Buffer b;
+    if (query == Query::kWait) {
+      b.push_back(kStopWaiting);
+    } else {
+      for (const auto& k : keys) put_str(b, map_.at(k));
+    }
+    s.send(std::move(b));
   }
 
   // A key was written: answer the waiters whose keys now all exist.
@@ -540,14 +625,13 @@ class Server {
       drop_waiter(w);
       if (!session || session->closed) continue;
       session->pending.reset();
-      answer_ready(*session, w->is_get, w->keys);
+      answer_ready(*session, w->query, w->keys);
     }
   }
 
   void drop_waiter(const std::shared_ptr<Waiter>& w) {
     if (w->done) return;
     w->done = true;
-    w->timer.cancel();
     for (const auto& k : w->keys) {
       auto it = waiters_.find(k);
       if (it == waiters_.end()) continue;
@@ -568,7 +652,7 @@ class Server {
   std::unordered_set<std::shared_ptr<Session>> sessions_;
   std::mutex hello_mu_;
   std::condition_variable hello_cv_;
-  int primaries_ = 0;
+  std::int64_t registered_ = 0;  // the value of "init/"
   std::thread thread_;
 };
 
