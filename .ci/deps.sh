@@ -1,6 +1,8 @@
 # Sourced by examples/run.sh and tests/run.sh: installs what a fresh Debian 12 machine lacks
-# (apt-get, once), then configures and builds into ./build.
-distrpc_packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libcereal-dev doctest-dev)
+# (apt-get, once), then configures and builds into ./build. cmake is for the CMake package's
+# consumer check (tests/consumer/check.sh).
+distrpc_packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libasio-dev libcereal-dev
+                  doctest-dev)
 
 distrpc_install_deps() {
   local missing=()
