@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
       sleep_ms(std::atol(argv[3]));
       const rlimit no_core{0, 0};  // a crash on purpose leaves no core file behind
       ::setrlimit(RLIMIT_CORE, &no_core);
+      ::signal(SIGSEGV, SIG_DFL);  // a sanitizer's handler would turn the signal into an exit
       ::raise(SIGSEGV);
     }
     sleep_ms(60000);

@@ -305,6 +305,19 @@ TEST_SUITE("launch_local") {
           "path to run a file that is not there)");
   }
 
+  TEST_CASE("children reaped elsewhere (SIGCHLD ignored) give an error, not a hang") {
+    struct sigaction ignore {
+    }, old{};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    REQUIRE(::sigaction(SIGCHLD, &ignore, &old) == 0);
+    const std::string text = launch_error(kProbe, distrpc::LaunchOptions{});
+    ::sigaction(SIGCHLD, &old, nullptr);
+    CHECK(text ==
+          "distrpc::launch_local: cannot wait for rank 0: No child processes (is SIGCHLD ignored, "
+          "or are children reaped elsewhere?)");
+  }
+
   TEST_CASE("a name without a slash is looked up in PATH") {
     CHECK(distrpc::find_program("sh").find("/sh") != std::string::npos);
     CHECK(distrpc::find_program(kProbe) == kProbe);

@@ -498,6 +498,15 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
       if (!c.running) continue;
       int st = 0;
       const pid_t got = ::waitpid(c.pid, &st, WNOHANG);
+      if (got < 0 && errno != EINTR) {
+        // ECHILD: this process reaps its children elsewhere (SIGCHLD ignored, or a reaper
+        // thread), so how the rank ended cannot be known here.
+        const int err = errno;
+        c.running = false;
+        throw LaunchError(where + "cannot wait for rank " + std::to_string(c.rank) + ": " +
+                          net::errno_text(err) +
+                          " (is SIGCHLD ignored, or are children reaped elsewhere?)");
+      }
       if (got != c.pid) continue;
       c.running = false;
       RankExit& e = result.ranks[static_cast<std::size_t>(c.rank)];
