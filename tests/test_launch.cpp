@@ -409,6 +409,9 @@ TEST_SUITE("distrpc-run") {
         {{"-n", "2", "--timeout", "soon", kProbe},
          "--timeout must be a number of seconds above 0, "
          "got 'soon'"},
+        {{"-n", "2", "--grace", "-1", kProbe},
+         "--grace must be a number of seconds >= 0, got '-1'"},
+        {{"-n", "2", "--master-addr"}, "--master-addr needs a value"},
         {{"-n", "2", "--bogus", kProbe}, "unknown option '--bogus'"},
     };
     for (const auto& [args, text] : cases) {
