@@ -219,7 +219,7 @@ inline std::string find_program(const std::string& program) {
                     "' not found in PATH (give a path to run a file that is not there)");
 }
 
-namespace launch_detail {
+namespace detail::launch {
 
 // Lines of one stream are cut here even without a '\n', so one endless line cannot grow the
 // launcher's memory without bound.
@@ -305,12 +305,12 @@ class Group {
   }
 };
 
-}  // namespace launch_detail
+}  // namespace detail::launch
 
 inline LaunchResult launch_local(const std::string& program, const std::vector<std::string>& args,
                                  const LaunchOptions& opts) {
   using Clock = std::chrono::steady_clock;
-  using namespace launch_detail;
+  using namespace detail::launch;
   const std::string where = "distrpc::launch_local: ";
   if (opts.nprocs < 1 || opts.nprocs > 4096) {
     throw LaunchError(where + "nprocs must be within 1..4096, got " + std::to_string(opts.nprocs));
