@@ -90,7 +90,7 @@ Args parse(int argc, char** argv) {
     if (k == "--transport") {
       a.transport = next();
     } else if (k == "--rank") {
-      a.rank = std::stoi(next());
+      a.rank = std::stoi(distrpc_examples::rank_text(next()));
     } else if (k == "--init") {
       a.init = next();
     } else if (k == "--out") {
@@ -246,7 +246,7 @@ int launch(const Args& a) {
   std::string line;
   const bool ok = distrpc_examples::run_local_group(
       2, "bench",
-      [&](int, const std::string& dir) {
+      [&](const std::string& dir) {
         return std::vector<std::string>{"--out",           dir + "/result.json",
                                         "--transport",     a.transport,
                                         "--small",         std::to_string(a.small),

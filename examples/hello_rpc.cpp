@@ -58,7 +58,7 @@ int worker(int rank, int world, const std::string& init) {
 int launch(int world) {
   const int rc = distrpc_examples::run_local_group(
                      world, "hello",
-                     [&](int, const std::string&) {
+                     [&](const std::string&) {
                        return std::vector<std::string>{"--world", std::to_string(world)};
                      })
                      ? 0
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string k = argv[i];
       if (k == "--rank") {
-        rank = std::atoi(argv[i + 1]);
+        rank = std::atoi(distrpc_examples::rank_text(argv[i + 1]).c_str());
       } else if (k == "--world") {
         world = std::atoi(argv[i + 1]);
       } else if (k == "--init") {

@@ -132,7 +132,7 @@ int launch(int iterations) {
   const int world = kTrainers + 1;
   const int rc = distrpc_examples::run_local_group(
                      world, "ps",
-                     [&](int, const std::string&) {
+                     [&](const std::string&) {
                        return std::vector<std::string>{"--world", std::to_string(world),
                                                        "--iterations", std::to_string(iterations)};
                      })
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string k = argv[i];
       if (k == "--rank") {
-        rank = std::atoi(argv[i + 1]);
+        rank = std::atoi(distrpc_examples::rank_text(argv[i + 1]).c_str());
       } else if (k == "--world") {
         world = std::atoi(argv[i + 1]);
       } else if (k == "--iterations") {

@@ -131,7 +131,7 @@ int run_worker(const Args& a) {
 
 int launch(const Args& a) {
   const int rc = distrpc_examples::run_local_group(2, "rm",
-                                                   [&](int, const std::string&) {
+                                                   [&](const std::string&) {
                                                      return std::vector<std::string>{
                                                          "--batches",  std::to_string(a.batches),
                                                          "--batch",    std::to_string(a.batch),
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
       const std::string k = argv[i];
       if (i + 1 >= argc) throw std::invalid_argument("missing value after " + k);
       if (k == "--rank") {
-        a.rank = to_int(k, argv[i + 1], 0, 1);
+        a.rank = to_int(k, distrpc_examples::rank_text(argv[i + 1]).c_str(), 0, 1);
       } else if (k == "--init") {
         a.init = argv[i + 1];
       } else if (k == "--batches") {

@@ -58,6 +58,16 @@ run_suites() {
 
 run_suites build ""
 
+# Without libtorch (-Dtorch=disabled): what a program that only rendezvous or launches builds on,
+# the store layer, launch_local and distrpc-run, with test_core (no libtorch header: quick).
+echo "== build without libtorch (-Dtorch=disabled)"
+if DISTRPC_TARGETS="tests/test_core" distrpc_build build-notorch -Dtorch=disabled \
+     -Dexamples=false >"$logdir/notorch-build.log" 2>&1; then
+  run_suites build-notorch "notorch:"
+else
+  failed=$((failed + 1)); echo "   build without libtorch FAILED"; tail -50 "$logdir/notorch-build.log"
+fi
+
 # AddressSanitizer + UndefinedBehaviorSanitizer build (DISTRPC_SANITIZE=0 skips it for a quick local
 # run). By default it builds and runs test_core (stores, futures, harness) and test_wire (the wire
 # codec, its fuzzing, and the Tcp, Shm and Auto transports: the code that parses untrusted bytes and
@@ -109,7 +119,7 @@ else
   failed=$((failed + 1)); echo "   FAILED"; tail -60 "$logdir/hosts.log"
 fi
 
-echo "== consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config)"
+echo "== consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config and CMake; the installed distrpc-run)"
 if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else

@@ -2,7 +2,10 @@
 # Builds and runs tests/consumer/consumer.cpp (two processes making RPC calls) as a user would:
 #  1. a separate Meson project that takes this checkout as a subproject;
 #  2. against an installed distrpc (meson install into a temporary prefix), compiled with only
-#     `pkg-config --cflags --libs distrpc`.
+#     `pkg-config --cflags --libs distrpc`;
+#  3. against the same installed prefix as a CMake project (tests/consumer/CMakeLists.txt:
+#     find_package(distrpc) and the distrpc::tcp target);
+# and runs the installed distrpc-run launcher.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 work=$(mktemp -d)
@@ -31,3 +34,25 @@ ${CXX:-c++} -Wall -Wextra -Werror "$repo/tests/consumer/consumer.cpp" $flags -o 
 out=$(timeout 180 "$work/consumer-pc")
 echo "$out"
 [ "$out" = "$expected" ]
+
+echo "-- installed, through CMake's find_package(distrpc)"
+cmake -S "$repo/tests/consumer" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$work/cmake-build" -j "${DISTRPC_JOBS:-2}" >/dev/null
+out=$(timeout 180 "$work/cmake-build/consumer")
+echo "$out"
+[ "$out" = "$expected" ]
+
+echo "-- the installed distrpc-run"
+run="$work/prefix/bin/distrpc-run"
+# shellcheck disable=SC2016  # $RANK and $WORLD_SIZE are the ranks' to expand
+out=$(timeout 60 "$run" -n 2 sh -c 'echo "rank $RANK of $WORLD_SIZE at $MASTER_ADDR"' | sort)
+echo "$out"
+[ "$out" = "$(printf '[0] rank 0 of 2 at 127.0.0.1\n[1] rank 1 of 2 at 127.0.0.1')" ]
+# A failing rank: its exit code is distrpc-run's, the other rank is stopped.
+rc=0
+# shellcheck disable=SC2016
+timeout 60 "$run" -n 2 --grace 1 sh -c '[ "$RANK" = 1 ] && exit 5; exec sleep 30' 2>"$work/run.err" || rc=$?
+cat "$work/run.err"
+[ "$rc" -eq 5 ]
+[ "$(cat "$work/run.err")" = "distrpc-run: rank 1 exited with code 5; stopped: rank 0 (killed by signal SIGTERM)" ]

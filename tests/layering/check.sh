@@ -13,7 +13,7 @@ layer_of() {
       distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
       distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | \
       distrpc/log_c10.hpp) echo 0 ;;                                          # values
-    distrpc/net/*) echo 1 ;;                                                  # net (OS helpers)
+    distrpc/net/* | distrpc/launch.hpp) echo 1 ;;                             # net (OS helpers)
     distrpc/wire.hpp | distrpc/wire/*) echo 2 ;;                              # wire
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store
     distrpc/transport/*) echo 4 ;;                                            # transport
