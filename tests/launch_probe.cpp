@@ -10,6 +10,7 @@
 //   kill R MS           rank R raises SIGSEGV after MS ms; the others sleep 60 s
 //   stubborn R CODE     rank R exits with CODE after 200 ms; the others ignore SIGTERM, sleep 60 s
 //   sleep MS            every rank sleeps MS ms and exits with 0
+//   ready MS            every rank prints "ready", then sleeps MS ms and exits with 0
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -88,6 +89,11 @@ int main(int argc, char** argv) {
       ::raise(SIGSEGV);
     }
     sleep_ms(60000);
+    return 0;
+  }
+  if (mode == "ready" && argc == 3) {
+    write_str(STDOUT_FILENO, "ready\n");
+    sleep_ms(std::atol(argv[2]));
     return 0;
   }
   if (mode == "sleep" && argc == 3) {

@@ -13,6 +13,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -68,8 +69,10 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-// Runs distrpc-run with `args`, its stdout and stderr in files (no pipe to fill up and block).
-Ran run_tool(const std::vector<std::string>& args) {
+// Runs distrpc-run with `args`, its stdout and stderr in files (no pipe to fill up and block);
+// with `signal` != 0, sends it that signal once its stdout holds `ready_lines` lines (the ranks
+// run, so distrpc-run's handlers are in place).
+Ran run_tool(const std::vector<std::string>& args, int signal = 0, std::size_t ready_lines = 0) {
   char dir[] = "/tmp/distrpc-launch-test-XXXXXX";
   REQUIRE(::mkdtemp(dir) != nullptr);
   const std::string out_path = std::string(dir) + "/out", err_path = std::string(dir) + "/err";
@@ -92,6 +95,17 @@ Ran run_tool(const std::vector<std::string>& args) {
   ::close(out_fd);
   ::close(err_fd);
   REQUIRE(rc == 0);
+  if (signal != 0) {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    while (std::chrono::steady_clock::now() < until) {
+      const std::string so_far = slurp(out_path);
+      if (static_cast<std::size_t>(std::count(so_far.begin(), so_far.end(), '\n')) >= ready_lines) {
+        break;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    ::kill(pid, signal);
+  }
   int st = 0;
   ::waitpid(pid, &st, 0);
   Ran r;
@@ -385,6 +399,19 @@ TEST_SUITE("distrpc-run") {
     CHECK(r.err ==
           "distrpc-run: timed out after 300 ms; stopped: rank 0 (killed by signal SIGTERM), rank 1 "
           "(killed by signal SIGTERM)\n");
+  }
+
+  TEST_CASE("SIGTERM to distrpc-run stops the ranks and exits with 128 + SIGTERM") {
+    const auto start = std::chrono::steady_clock::now();
+    const Ran r = run_tool({"-n", "2", kProbe, "ready", "60000"}, SIGTERM, 2);
+    CHECK(std::chrono::steady_clock::now() - start < 10s);
+    CHECK(r.status == 128 + SIGTERM);
+    std::vector<std::string> lines = split_lines(r.out);
+    std::sort(lines.begin(), lines.end());
+    CHECK(lines == std::vector<std::string>{"[0] ready", "[1] ready"});
+    CHECK(r.err ==
+          "distrpc-run: interrupted; stopped: rank 0 (killed by signal SIGTERM), rank 1 (killed by "
+          "signal SIGTERM)\n");
   }
 
   TEST_CASE("--help, and a bad command line exits with 2 naming the problem") {
