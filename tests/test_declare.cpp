@@ -288,6 +288,9 @@ TEST_CASE("declare: calls through declarations, on a worker that serves only wha
   // The other way (the client serves everything it registered): the same declaration works.
   CHECK(at::equal(s.rpc_sync<decl_test::add>("client", b, b), at::tensor({20.0, 40.0})));
 
+  // Graceful shutdowns wait for each other: at once, from two threads.
+  auto first = std::async(std::launch::async, [&] { s.shutdown(); });
   client.shutdown();
-  s.shutdown();
+  REQUIRE(first.wait_for(30s) == std::future_status::ready);
+  first.get();
 }
