@@ -133,6 +133,13 @@ else
   failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/torchrun.log"
 fi
 
+echo "== two binaries (a server and a client built from different sources, through named declarations)"
+if timeout 600 bash tests/two_binaries/check.sh build >"$logdir/two_binaries.log" 2>&1; then
+  passed=$((passed + 1)); echo "   ok"
+else
+  failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/two_binaries.log"
+fi
+
 rm -rf "$logdir"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

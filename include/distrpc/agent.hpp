@@ -635,8 +635,9 @@ class RpcAgent : public AgentServices,
       auto entry = find_function(h.name);
       if (!entry) {
         throw RpcError("function '" + h.name + "' is not registered on " + self().str() +
-                       ": register it there with DISTRPC_REGISTER(" + h.name +
-                       ") or build both sides from the same source");
+                       ": expose it there (DISTRPC_EXPOSE(stub, &impl) for a DISTRPC_REMOTE "
+                       "declaration, DISTRPC_REGISTER(f) for a function called as rpc_sync<&f>) "
+                       "or build both sides from the same source");
       }
       if (options_.serve_exposed_only && !entry->exposed && !entry->library) {
         throw RpcError("function '" + h.name + "' is not exposed on " + self().str() +
@@ -646,9 +647,11 @@ class RpcAgent : public AgentServices,
                        h.name + ")");
       }
       if (entry->signature != h.signature) {
-        throw RpcError("signature mismatch for function '" + h.name + "' on " + self().str() +
-                       ": the callee's is '" + entry->signature_text +
-                       "' and the caller's differs (rebuild both sides from the same source)");
+        // Both sides' signatures in the library's spelling; a raw request may carry no text.
+        throw RpcError(
+            "signature mismatch: function '" + h.name + "' has signature " + entry->signature_text +
+            " on " + self().str() + ", but the caller's declaration is " +
+            (h.signature_text.empty() ? std::string("another one (not sent)") : h.signature_text));
       }
       // The layers' scopes around the run (e.g. RRefs among the arguments come from `peer`,
       // RRefs in the result go back to it), and their hooks for the handler.

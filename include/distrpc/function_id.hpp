@@ -1,9 +1,10 @@
-// Compile-time identity of a callable: a stable name plus a hash of its signature.
-//
-// Both come from the compiler's spelling of the template argument (`&ns::fn` → "ns::fn") and of
-// the function type, so every binary built from the same source by the same compiler agrees on
-// them without a code generator. The callee rejects a name it does not know or a signature hash
-// that differs from its own, instead of misreading the argument bytes.
+// Compile-time identity of a callable called in the SPMD form (rpc_sync<&ns::fn>): its name as the
+// compiler spells the template argument (`&ns::fn` → "ns::fn"), so every binary built from the
+// same source by the same compiler agrees on it without a code generator. Its signature's text
+// and hash live with the registry (registry.hpp: the library's spelling of the types where it has
+// one). Programs built from different sources use named declarations instead (declare.hpp). The
+// callee rejects a name it does not know or a signature hash that differs from its own, instead of
+// misreading the argument bytes.
 #pragma once
 
 #include <cstdint>
@@ -50,11 +51,6 @@ constexpr std::uint64_t fnv1a(std::string_view s) {
     h *= 1099511628211ull;
   }
   return h;
-}
-
-template <auto F>
-constexpr std::uint64_t signature_hash() {
-  return fnv1a(type_name<decltype(F)>());
 }
 
 // Function traits for plain functions and static member functions (both are function pointers).

@@ -1,37 +1,38 @@
 // The callable registry: what a worker is willing to run on behalf of a peer.
 //
-// Nothing received is ever executed unless it was registered here, either explicitly with
-// DISTRPC_REGISTER(fn) or implicitly by a binary that instantiates rpc_sync/rpc_async/remote of
-// `fn` (SPMD programs register what they call). An entry is keyed by the function's stable name
-// and carries its signature hash; the handler decodes the arguments with the exact parameter
-// types, runs the function and encodes the result (or returns the function's Future, which makes
-// the call asynchronous by its type).
+// Nothing received is ever executed unless it was registered here: explicitly with
+// DISTRPC_REGISTER(fn) or DISTRPC_EXPOSE(stub, &impl) (declare.hpp), or implicitly by a binary
+// that instantiates rpc_sync/rpc_async/remote of `fn` (SPMD programs register what they call). An
+// entry is keyed by the function's name and carries its signature (text and hash); the handler
+// decodes the arguments with the exact parameter types, runs the function and encodes the result
+// (or returns the function's Future, which makes the call asynchronous by its type).
+//
+// A name identifies one implementation: registering another one under a name already taken is
+// refused with both origins (see Registry::add). Registrations made while the program starts
+// (the macros, call sites) cannot throw there, so they are recorded and init_rpc / RpcGroup::join
+// fail with the text instead.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/wire/boxed_value.hpp"
-
-// At global scope on purpose: GCC spells a template's function argument relative to the
-// template's own namespace, so only from here are the library's functions named in full
-// ("distrpc::detail::run_builtin"; function_name() says "run_builtin").
-template <auto F>
-constexpr std::string_view distrpc_function_full_name_pretty() {
-  return __PRETTY_FUNCTION__;
-}
+#include "distrpc/wire/type_spelling.hpp"
 
 namespace distrpc {
 
@@ -48,15 +49,18 @@ struct RequestHeader {
   bool internal = false;
   std::uint8_t mode = kPlainCall;
   std::string mode_data{};
+  // The caller's signature as people read it ("Tensor(Tensor, i64)"), for the callee's error
+  // when `signature` differs from its own.
+  std::string signature_text{};
 
   template <class Archive>
   void save(Archive& ar) const {
-    ar(name, signature, internal, mode);
+    ar(name, signature, signature_text, internal, mode);
     if (mode != kPlainCall) ar(mode_data);
   }
   template <class Archive>
   void load(Archive& ar) {
-    ar(name, signature, internal, mode);
+    ar(name, signature, signature_text, internal, mode);
     if (mode != kPlainCall) ar(mode_data);
   }
 };
@@ -75,17 +79,21 @@ struct RegistryEntry {
   BoxedHandler boxed_handler;
   // One of the library's own (namespace distrpc): served by every agent, whatever its registry.
   bool library = false;
-  // Exposed explicitly (DISTRPC_REGISTER, Registry::add), not only registered because this binary
-  // calls it: what a worker with RpcBackendOptions::serve_exposed_only serves.
+  // Exposed explicitly (DISTRPC_REGISTER, DISTRPC_EXPOSE, Registry::add), not only registered
+  // because this binary calls it: what a worker with RpcBackendOptions::serve_exposed_only serves.
   bool exposed = false;
+  // Where the implementation comes from, for the duplicate-name error: "'ns::f' (DISTRPC_EXPOSE
+  // at server.cpp:12)", or the function's name and address where no source location exists.
+  std::string origin{};
+  // Which implementation this is (impl_tag<F>): registering the same one again is fine, another
+  // one under the same name is refused. Null: unknown, never the same as another.
+  const void* impl = nullptr;
 };
 
-// True for the library's own functions (the group protocol, builtin operators, RRef proxies and
-// module helpers).
+// One object per implementation F, so that its address identifies F: a function with internal
+// linkage (an anonymous namespace) gets one per translation unit, as the function itself.
 template <auto F>
-constexpr bool is_library_function() {
-  return extract(distrpc_function_full_name_pretty<F>(), "F = ").substr(0, 9) == "distrpc::";
-}
+inline constexpr char impl_tag = 0;
 
 // The layers' hooks around the request this thread runs, set by the agent while a handler runs
 // (RpcAgent::handle_request, AgentExtension), so that the registry's handlers reach them without
@@ -115,16 +123,55 @@ class Registry {
   }
 
   // `exposed`: see RegistryEntry; once exposed, a function stays exposed when its call sites
-  // register it again.
+  // register it again. Throws std::invalid_argument, naming both origins, if `name` is taken by
+  // another implementation (an entry added this way has no identity of its own: adding the name
+  // twice is refused).
   void add(std::string name, std::uint64_t signature, std::string signature_text,
            detail::Handler handler, detail::BoxedHandler boxed_handler = {}, bool library = false,
            bool exposed = true) {
+    detail::RegistryEntry e;
+    e.signature = signature;
+    e.signature_text = std::move(signature_text);
+    e.handler = std::move(handler);
+    e.boxed_handler = std::move(boxed_handler);
+    e.library = library;
+    e.exposed = exposed;
+    e.origin = "Registry::add(\"" + name + "\", ...)";
+    add_entry(std::move(name), std::move(e));
+  }
+
+  // Adds `e` under `name`; the same implementation again (e.impl) only adds its flags (library,
+  // exposed). Throws std::invalid_argument naming both origins if another implementation holds
+  // `name`.
+  void add_entry(std::string name, detail::RegistryEntry e) {
+    std::string conflict = merge(std::move(name), std::move(e));
+    if (!conflict.empty()) throw std::invalid_argument(conflict);
+  }
+
+  // As add_entry, for registrations made while the program starts (static initializers), where an
+  // exception would terminate the program: a conflict is recorded instead, and starting an agent
+  // with this registry fails with its text (check_conflicts()).
+  void add_at_startup(std::string name, detail::RegistryEntry e) {
+    std::string conflict = merge(std::move(name), std::move(e));
+    if (conflict.empty()) return;
     std::lock_guard<std::mutex> lk(mu_);
-    auto& e = entries_[std::move(name)];
-    const bool was_exposed = e.exposed;
-    e = detail::RegistryEntry{signature,        std::move(signature_text),
-                              std::move(handler), std::move(boxed_handler),
-                              library,          exposed || was_exposed};
+    conflicts_.push_back(std::move(conflict));
+  }
+
+  // The conflicts add_at_startup recorded, one text each.
+  std::vector<std::string> conflicts() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return conflicts_;
+  }
+
+  // Throws std::invalid_argument with every recorded conflict (init_rpc and RpcGroup::join call
+  // it before they start anything).
+  void check_conflicts() const {
+    const auto all = conflicts();
+    if (all.empty()) return;
+    std::string text = all.front();
+    for (std::size_t i = 1; i < all.size(); ++i) text += "; " + all[i];
+    throw std::invalid_argument(text);
   }
 
   std::optional<detail::RegistryEntry> find(const std::string& name) const {
@@ -141,9 +188,35 @@ class Registry {
   template <auto F>
   void add();
 
+  // Exposes `impl` under the name and signature of the DISTRPC_REMOTE declaration `Stub`, as
+  // DISTRPC_EXPOSE does for the process's registry (declare.hpp). Throws std::invalid_argument if
+  // another implementation holds the name.
+  template <auto Stub, auto Impl>
+  void expose(std::source_location where = std::source_location::current());
+
  private:
+  // Adds or merges; returns the conflict's text (empty if none).
+  std::string merge(std::string name, detail::RegistryEntry e) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = entries_.find(name);
+    if (it == entries_.end()) {
+      entries_.emplace(std::move(name), std::move(e));
+      return {};
+    }
+    detail::RegistryEntry& old = it->second;
+    if (old.impl == nullptr || old.impl != e.impl) {
+      return "two implementations are registered under the function name '" + name +
+             "': " + old.origin + " and " + e.origin +
+             " (a name identifies one function: rename one of them)";
+    }
+    old.library = old.library || e.library;
+    old.exposed = old.exposed || e.exposed;
+    return {};
+  }
+
   mutable std::mutex mu_;
   std::map<std::string, detail::RegistryEntry> entries_;
+  std::vector<std::string> conflicts_;
 };
 
 namespace detail {
@@ -164,6 +237,45 @@ inline wire::Message empty_response() {
 
 template <auto F>
 using fn_result_t = typename fn_traits<decltype(F)>::result;
+
+// The signature text of a function F called in the SPMD form: the library's spelling when every
+// type has one ("Tensor(Tensor, i64)"), else the compiler's. Both sides are the same binary's
+// source there, so either identifies it; the hash is taken from this text.
+template <class Sig>
+struct spmd_signature;
+template <class R, class... A>
+struct spmd_signature<R (*)(A...)> {
+  static std::string text() {
+    if constexpr (spellable<unwrap_future_t<R>>() && (spellable<std::decay_t<A>>() && ...)) {
+      return signature_spelling<R, A...>();
+    } else {
+      return std::string(type_name<R (*)(A...)>());
+    }
+  }
+};
+template <class R, class... A>
+struct spmd_signature<R (*)(A...) noexcept> : spmd_signature<R (*)(A...)> {};
+
+template <auto F>
+const std::string& signature_text() {
+  static const std::string text = spmd_signature<decltype(F)>::text();
+  return text;
+}
+
+template <auto F>
+std::uint64_t signature_hash() {
+  static const std::uint64_t hash = fnv1a(signature_text<F>());
+  return hash;
+}
+
+// Where F comes from when nothing but F is known (a call site registers it): its name and address
+// (two functions of one name from different translation units differ in address).
+template <auto F>
+std::string function_origin() {
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", reinterpret_cast<const void*>(F));
+  return "'" + std::string(function_name<F>()) + "' at " + address;
+}
 
 // Decodes (header, args...); then the layers finish what the arguments need before the function
 // runs (RequestHooks::arguments_decoded).
@@ -240,12 +352,30 @@ Future<BoxedValue> invoke_boxed(const wire::Message& request) {
   }
 }
 
+// The entry of F under its own (compiler-spelled) name.
 template <auto F>
+RegistryEntry entry_of(bool library, bool exposed, std::string origin) {
+  RegistryEntry e;
+  e.signature = signature_hash<F>();
+  e.signature_text = signature_text<F>();
+  e.handler = &invoke<F>;
+  e.boxed_handler = &invoke_boxed<F>;
+  e.library = library;
+  e.exposed = exposed;
+  e.origin = std::move(origin);
+  e.impl = &impl_tag<F>;
+  return e;
+}
+
+// `Library`: one of the library's own functions (the group protocol, builtin operators, RRef
+// proxies, RemoteModule's owner calls), served by every agent whatever its registry and options.
+// The library registers its functions through ensure_library_registered; a user's never are.
+template <auto F, bool Library>
 struct Registrar {
   static bool add() {
-    Registry::instance().add(std::string(function_name<F>()), signature_hash<F>(),
-                             std::string(type_name<decltype(F)>()), &invoke<F>, &invoke_boxed<F>,
-                             is_library_function<F>(), /*exposed=*/false);
+    Registry::instance().add_at_startup(
+        std::string(function_name<F>()),
+        entry_of<F>(Library, /*exposed=*/false, function_origin<F>()));
     return true;
   }
   // Odr-using this from a call site instantiates it: the binary that calls F also serves F.
@@ -254,14 +384,24 @@ struct Registrar {
 
 template <auto F>
 void ensure_registered() {
-  (void)Registrar<F>::registered;
+  (void)Registrar<F, false>::registered;
 }
 
-// DISTRPC_REGISTER(F): registered and exposed.
 template <auto F>
-bool expose() {
+void ensure_library_registered() {
+  (void)Registrar<F, true>::registered;
+}
+
+// DISTRPC_REGISTER(F): registered and exposed (at start-up: a conflict is recorded, see
+// Registry::add_at_startup).
+template <auto F>
+bool expose(std::source_location where) {
   ensure_registered<F>();
-  Registry::instance().add<F>();
+  Registry::instance().add_at_startup(
+      std::string(function_name<F>()),
+      entry_of<F>(false, /*exposed=*/true,
+                  function_origin<F>() + " (DISTRPC_REGISTER at " + where.file_name() + ":" +
+                      std::to_string(where.line()) + ")"));
   return true;
 }
 
@@ -271,9 +411,9 @@ template <auto F>
 void Registry::add() {
   static_assert(detail::free_function<F>,
                 "distrpc::Registry::add<&f>(): f must be a function or static member function");
-  add(std::string(detail::function_name<F>()), detail::signature_hash<F>(),
-      std::string(detail::type_name<decltype(F)>()), &detail::invoke<F>, &detail::invoke_boxed<F>,
-      detail::is_library_function<F>());
+  add_entry(std::string(detail::function_name<F>()),
+            detail::entry_of<F>(false, /*exposed=*/true,
+                                detail::function_origin<F>() + " (Registry::add)"));
 }
 }  // namespace distrpc
 
@@ -283,4 +423,4 @@ void Registry::add() {
 // Registers `fn` (a function or static member function) so peers may call it on this worker.
 #define DISTRPC_REGISTER(fn)                                                        \
   [[maybe_unused]] static const bool DISTRPC_REGISTER_CAT(distrpc_reg_, __LINE__) = \
-      ::distrpc::detail::expose<&fn>()
+      ::distrpc::detail::expose<&fn>(std::source_location::current())

@@ -89,6 +89,8 @@ detail::call_result_t<F> rpc_sync(const Destination& to, A&&... args) {
 // PyTorch's builtin calls: rpc_async("worker1", "aten::add.Tensor", {a, b}).
 inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
                                      std::vector<c10::IValue> args, CallOptions opts = {}) {
+  // The library's own: served by every agent (whether it runs `op` is its builtin_operators').
+  detail::ensure_library_registered<&detail::run_builtin>();
   auto agent = detail::current_agent();
   const WorkerInfo dst = to.resolve(*agent);
   auto reply =

@@ -28,6 +28,7 @@
 #include "distrpc/rref/proxy.hpp"
 #include "distrpc/rref/scope.hpp"
 #include "distrpc/wire/boxed_value.hpp"
+#include "distrpc/wire/type_spelling.hpp"
 
 namespace distrpc {
 
@@ -179,6 +180,7 @@ class RRef {
   auto rpc_async(CallOptions opts, A&&... args) const {
     if constexpr (detail::check_method<M, T>()) {
       using P = detail::MethodProxy<M>;
+      detail::ensure_library_registered<&P::call>();  // the library's own proxy
       return ::distrpc::rpc_async<&P::call>(owner(), opts, *this, std::forward<A>(args)...);
     }
   }
@@ -190,6 +192,7 @@ class RRef {
   auto rpc_sync(CallOptions opts, A&&... args) const {
     if constexpr (detail::check_method<M, T>()) {
       using P = detail::MethodProxy<M>;
+      detail::ensure_library_registered<&P::call>();  // the library's own proxy
       return ::distrpc::rpc_sync<&P::call>(owner(), opts, *this, std::forward<A>(args)...);
     }
   }
@@ -335,7 +338,7 @@ class RRef {
     // The proxy's signature hash covers (RRef<T>, A...) and the result: compare what this call
     // would send with what the method takes.
     using Probe = R (*)(RRef<T>, A...);
-    if (detail::fnv1a(detail::type_name<Probe>()) != e->proxy_signature) {
+    if (detail::fnv1a(detail::spmd_signature<Probe>::text()) != e->proxy_signature) {
       throw std::invalid_argument("'" + std::string(detail::type_name<T>()) + "::" + method +
                                   "' is '" + e->signature +
                                   "': call it by name with exactly that "
@@ -497,15 +500,13 @@ template <auto F, class... A>
 RRef<detail::call_result_t<F>> remote(const Destination& to, CallOptions opts, A&&... args) {
   detail::check_call<F, A...>();
   using R = detail::call_result_t<F>;
-  detail::ensure_registered<F>();
+  using Id = detail::call_identity<F>;
+  Id::register_caller();
   auto agent = detail::current_agent();
   const WorkerInfo dst = to.resolve(*agent);
-  typename detail::fn_traits<decltype(F)>::args packed(std::forward<A>(args)...);
-  RequestHeader h;
-  h.name = std::string(detail::function_name<F>());
-  h.signature = detail::signature_hash<F>();
-  return detail::remote_packed<R>(agent, dst, opts, h, packed,
-                                  "remote() of '" + std::string(detail::function_name<F>()) + "'");
+  typename Id::args packed(std::forward<A>(args)...);
+  const RequestHeader h = Id::header();
+  return detail::remote_packed<R>(agent, dst, opts, h, packed, "remote() of '" + h.name + "'");
 }
 template <auto F, class... A>
 RRef<detail::call_result_t<F>> remote(const Destination& to, A&&... args) {
@@ -515,6 +516,7 @@ RRef<detail::call_result_t<F>> remote(const Destination& to, A&&... args) {
 // remote() of a builtin operator by schema name: RRef<c10::IValue>.
 inline RRef<c10::IValue> remote(const Destination& to, const std::string& op,
                                 std::vector<c10::IValue> args, CallOptions opts = {}) {
+  detail::ensure_library_registered<&detail::run_builtin>();
   return remote<&detail::run_builtin>(to, opts, op, std::move(args));
 }
 
@@ -523,8 +525,16 @@ template <auto M, class... A>
 auto RRef<T>::remote(CallOptions opts, A&&... args) const {
   if constexpr (detail::check_method<M, T>()) {
     using P = detail::MethodProxy<M>;
+    detail::ensure_library_registered<&P::call>();  // the library's own proxy
     return ::distrpc::remote<&P::call>(owner(), opts, *this, std::forward<A>(args)...);
   }
 }
+
+// An RRef in a DISTRPC_REMOTE declaration reads "RRef<T>" (wire/type_spelling.hpp).
+template <class T>
+struct TypeName<RRef<T>> {
+  static constexpr bool known = detail::spellable<T>();
+  static std::string name() { return "RRef<" + detail::spelling<T>() + ">"; }
+};
 
 }  // namespace distrpc

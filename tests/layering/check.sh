@@ -18,7 +18,7 @@ layer_of() {
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store
     distrpc/transport/*) echo 4 ;;                                            # transport
     distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
-      distrpc/backends.hpp) echo 5 ;;                                         # agent
+      distrpc/backends.hpp | distrpc/declare.hpp) echo 5 ;;                                         # agent
     distrpc/rref.hpp | distrpc/rref/*) echo 6 ;;                              # refs
     distrpc/nn/*) echo 7 ;;                                                   # modules
     distrpc/distrpc.hpp) echo 9 ;;                                            # everything

@@ -13,6 +13,7 @@
 #include <variant>
 
 #include "distrpc/agent.hpp"
+#include "distrpc/declare.hpp"
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
@@ -72,10 +73,23 @@ Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr
 
 template <auto F, class... A>
 constexpr void check_call() {
-  static_assert(free_function<F>,
+  static_assert(free_function<F> || remote_stub<F>,
                 "distrpc: the template argument must be a pointer to a function or static member "
-                "function, e.g. distrpc::rpc_sync<&add>(\"worker1\", x, y)");
-  if constexpr (free_function<F>) {
+                "function, e.g. distrpc::rpc_sync<&add>(\"worker1\", x, y), or a DISTRPC_REMOTE "
+                "declaration, e.g. distrpc::rpc_sync<add>(\"worker1\", x, y)");
+  if constexpr (remote_stub<F>) {
+    using Stub = std::remove_cvref_t<decltype(F)>;
+    static_assert(sizeof...(A) == Stub::arity,
+                  "distrpc::rpc_sync/rpc_async/remote<stub>(to, args...): wrong number of "
+                  "arguments for the DISTRPC_REMOTE declaration (see its signature in the "
+                  "'required from' line)");
+    static_assert(std::is_invocable_v<typename Stub::pointer, A...>,
+                  "distrpc::rpc_sync/rpc_async/remote<stub>(to, args...): an argument does not "
+                  "convert to the type of the declaration's parameter at the same position");
+    static_assert((!is_future_v<std::decay_t<A>> && ...),
+                  "distrpc: a Future cannot be sent as an argument (it is not serializable): pass "
+                  "future.value() instead");
+  } else if constexpr (free_function<F>) {
     using Traits = fn_traits<decltype(F)>;
     static_assert(sizeof...(A) == Traits::arity,
                   "distrpc::rpc_sync/rpc_async/remote<&f>(to, args...): wrong number of "
@@ -91,16 +105,49 @@ constexpr void check_call() {
 
 // What a call of F yields at the caller. Defined (as void) even when F is not a function
 // pointer, so that check_call's readable static_assert fires instead of an overload failure.
-template <auto F, bool = free_function<F>>
+template <auto F, int = free_function<F> ? 1 : (remote_stub<F> ? 2 : 0)>
 struct call_result {
   using type = void;
 };
 template <auto F>
-struct call_result<F, true> {
+struct call_result<F, 1> {
   using type = unwrap_future_t<typename fn_traits<decltype(F)>::result>;
 };
 template <auto F>
+struct call_result<F, 2> {
+  using type = unwrap_future_t<typename std::remove_cvref_t<decltype(F)>::result>;
+};
+template <auto F>
 using call_result_t = typename call_result<F>::type;
+
+// How a call of F names it: a DISTRPC_REMOTE declaration by its name and library-spelled
+// signature; a function (the SPMD form) by its compiler-spelled name, registered here too (the
+// binary that calls F also serves F).
+template <auto F, bool = free_function<F>>
+struct call_identity {
+  using Stub = std::remove_cvref_t<decltype(F)>;
+  using args = typename Stub::args;
+  static RequestHeader header() {
+    RequestHeader h;
+    h.name = std::string(Stub::name());
+    h.signature = Stub::signature();
+    h.signature_text = Stub::signature_text();
+    return h;
+  }
+  static void register_caller() {}
+};
+template <auto F>
+struct call_identity<F, true> {
+  using args = typename fn_traits<decltype(F)>::args;
+  static RequestHeader header() {
+    RequestHeader h;
+    h.name = std::string(function_name<F>());
+    h.signature = signature_hash<F>();
+    h.signature_text = signature_text<F>();
+    return h;
+  }
+  static void register_caller() { ensure_registered<F>(); }
+};
 
 // Encodes (header, packed arguments) for `dst` inside the layers' scopes and sends it. What the
 // layers did while encoding (RRefs among the arguments forked to `dst`) is undone if encoding
@@ -118,15 +165,13 @@ Future<wire::Message> send_packed(const std::shared_ptr<RpcAgent>& agent, const 
 template <auto F, class... A>
 Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
                                 CallOptions opts, bool internal, A&&... args) {
-  ensure_registered<F>();
+  using Id = call_identity<F>;
+  Id::register_caller();
   const auto timeout = agent->effective_timeout(opts.timeout);
-  typename fn_traits<decltype(F)>::args packed(std::forward<A>(args)...);
-  RequestHeader h;
-  h.name = std::string(function_name<F>());
-  h.signature = signature_hash<F>();
+  typename Id::args packed(std::forward<A>(args)...);
+  RequestHeader h = Id::header();
   h.internal = internal;
-  return send_packed(agent, dst, timeout, h, packed,
-                     "call to '" + std::string(function_name<F>()) + "'");
+  return send_packed(agent, dst, timeout, h, packed, "call to '" + h.name + "'");
 }
 
 }  // namespace detail

@@ -84,6 +84,8 @@ class GroupProtocol {
         const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
         call_limit = std::max(left, milliseconds(1)) + std::max(milliseconds(1000), limit / 2);
       }
+      // The library's own: served by every agent (Registrar's `Library`).
+      ensure_library_registered<&GroupProtocol::contribute>();
       auto reply = send_call<&GroupProtocol::contribute>(
           agent_, agent_->worker(leader), CallOptions{call_limit},
           /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost);
@@ -287,6 +289,7 @@ class GroupProtocol {
           p.pending.reset();
         }
         if (!p.pending && now >= p.next) {
+          ensure_library_registered<&GroupProtocol::status>();
           p.pending = send_call<&GroupProtocol::status>(agent_, agent_->worker(m),
                                                         CallOptions{milliseconds(2000)},
                                                         /*internal=*/true, key, seq);

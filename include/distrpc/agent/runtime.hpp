@@ -103,6 +103,11 @@ std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int wor
                                       const RpcBackendOptions& options,
                                       std::shared_ptr<const Registry> registry) {
   validate_worker_name(name);
+  // Two implementations registered under one name while the program started (DISTRPC_EXPOSE,
+  // DISTRPC_REGISTER, call sites): refused here, as it could not be at start-up. The process's
+  // registry always counts (its library functions are served by every agent).
+  Registry::instance().check_conflicts();
+  if (registry) registry->check_conflicts();
   if (options.num_worker_threads < 1) {
     throw std::invalid_argument("num_worker_threads must be >= 1, got " +
                                 std::to_string(options.num_worker_threads));

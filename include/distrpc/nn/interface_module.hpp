@@ -25,6 +25,7 @@
 
 #include "distrpc/function_id.hpp"
 #include "distrpc/nn/interface.hpp"
+#include "distrpc/wire/type_spelling.hpp"
 
 namespace distrpc::nn {
 
@@ -173,3 +174,16 @@ class InterfaceModule {
 };
 
 }  // namespace distrpc::nn
+
+namespace distrpc {
+
+// A module held for interface I, in a DISTRPC_REMOTE declaration (e.g. a factory returning
+// RRef<InterfaceModule<I>>, which RemoteModule<I>::init_from_module_rref wraps): "Module<I>",
+// where I names itself (DISTRPC_TYPE_NAME).
+template <class I>
+struct TypeName<nn::InterfaceModule<I>> {
+  static constexpr bool known = detail::spellable<I>();
+  static std::string name() { return "Module<" + detail::spelling<I>() + ">"; }
+};
+
+}  // namespace distrpc

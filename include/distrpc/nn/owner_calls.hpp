@@ -148,10 +148,10 @@ void set_training(RRef<InterfaceModule<I>> module, bool on) {
 // Everything a RemoteModule<I> may ask of a worker, whatever the module type.
 template <class I>
 bool register_interface() {
-  ::distrpc::detail::ensure_registered<&OwnerCalls<I>::forward>();
-  ::distrpc::detail::ensure_registered<&OwnerCalls<I>::forward_by_id>();
-  ::distrpc::detail::ensure_registered<&parameter_rrefs<I>>();
-  ::distrpc::detail::ensure_registered<&set_training<I>>();
+  ::distrpc::detail::ensure_library_registered<&OwnerCalls<I>::forward>();
+  ::distrpc::detail::ensure_library_registered<&OwnerCalls<I>::forward_by_id>();
+  ::distrpc::detail::ensure_library_registered<&parameter_rrefs<I>>();
+  ::distrpc::detail::ensure_library_registered<&set_training<I>>();
   return true;
 }
 
@@ -182,8 +182,8 @@ template <class I, class M, class... C>
 bool register_module() {
   static_assert(check_interface<I>() && check_module<I, M>() && check_construction<I, M, C...>());
   register_interface<I>();
-  ::distrpc::detail::ensure_registered<&construct_module<I, M, wire_arg_t<C>...>>();
-  ::distrpc::detail::ensure_registered<&adopt_module<I, M>>();
+  ::distrpc::detail::ensure_library_registered<&construct_module<I, M, wire_arg_t<C>...>>();
+  ::distrpc::detail::ensure_library_registered<&adopt_module<I, M>>();
   return true;
 }
 

@@ -118,7 +118,7 @@ template <auto M>
 bool register_method(const char* name) {
   using P = MethodProxy<M>;
   static_assert(P::valid, "DISTRPC_REGISTER_METHOD(T, m): m must be a non-static member function");
-  ensure_registered<&P::call>();
+  ensure_library_registered<&P::call>();
   MethodRegistry::instance().add(
       typeid(typename P::Class), name,
       MethodEntry{std::string(function_name<&P::call>()), signature_hash<&P::call>(),

@@ -18,7 +18,7 @@ namespace distrpc::wire {
 
 // Version of the payload encoding and message semantics; bumped whenever either changes.
 // 1: RPC core. 2: the request header gained a mode byte and RRef ids; control types 16-20 (RRefs).
-inline constexpr std::uint32_t kProtocolVersion = 2;
+inline constexpr std::uint32_t kProtocolVersion = 3;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
 inline constexpr std::size_t kMaxHelloTokenBytes = 4096;
