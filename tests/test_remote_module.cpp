@@ -9,9 +9,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -25,9 +27,16 @@
 #include <c10/util/Exception.h>
 #include <doctest/doctest.h>
 #include <torch/cuda.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/rnn.h>
 
+#include <distrpc/nn/module_options.hpp>
 #include <distrpc/nn/remote_module.hpp>
+#include <distrpc/nn/remote_module_holder.hpp>
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
 
@@ -629,4 +638,499 @@ TEST_CASE("remote module: the owner killed with SIGKILL: forward fails within 2 
   REQUIRE(r.ranks.size() == 2);
   CHECK_MESSAGE(r.ranks[1].signal == SIGKILL, r.report());
   CHECK_MESSAGE(r.ranks[0].exit_code == 0, r.report());
+}
+
+// ---- per-call options: forward(opts, ...), forward_async(opts, ...), and the other calls ------
+
+namespace rm_test {
+
+// Sleeps as many milliseconds as its input says, then returns the input: a forward slower than a
+// per-call timeout, or well within one. train() (virtual in torch::nn::Module, and what
+// RemoteModule::train runs on the owner) takes train_delay_ms.
+struct SleepyModule : torch::nn::Module {
+  explicit SleepyModule(int64_t train_delay_ms = 0) : train_delay_ms(train_delay_ms) {
+    weight = register_parameter("weight", torch::ones({1}));
+  }
+  at::Tensor forward(const at::Tensor& ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms.item<int64_t>()));
+    return ms.clone();
+  }
+  void train(bool on) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(train_delay_ms));
+    torch::nn::Module::train(on);
+  }
+  at::Tensor weight;
+  int64_t train_delay_ms;
+};
+
+bool linear_is_training_on_owner(RRef<InterfaceModule<LinearInterface>> r) {
+  return r.local_value().is_training();
+}
+
+}  // namespace rm_test
+
+namespace {
+
+at::Tensor ms_tensor(int64_t ms) {
+  return at::full({1}, ms, at::kLong);
+}
+
+}  // namespace
+
+DISTRPC_MP_TEST(
+    "remote module: per-call options on forward, forward_async, remote_parameters, train/eval; "
+    "the timeout is honoured with the text of the other call forms",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    const std::string text100 =
+        "RPC ran for more than set timeout (100 ms) and will now be marked with an error";
+    auto rm = RemoteModule<LinearInterface>::create<SleepyModule>("worker1/cpu", 0);
+
+    // The first calls carry the module RRef, later ones its id: the timeout applies to both.
+    auto t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { rm.forward(distrpc::with_timeout(100ms), ms_tensor(1000)); }, text100,
+        "forward, by RRef");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { rm.forward_async(distrpc::with_timeout(100ms), ms_tensor(1000)).value(); }, text100,
+        "forward_async, by RRef");
+    CHECK(ms_since(t0) < 900);
+    // Within its timeout a call works (it waits for a free thread on worker1 first).
+    CHECK(at::equal(rm.forward(distrpc::with_timeout(20s), ms_tensor(10)), ms_tensor(10)));
+    CHECK(at::equal(rm.forward_async(distrpc::with_timeout(20s), ms_tensor(20)).value(),
+                    ms_tensor(20)));
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { rm.forward(distrpc::with_timeout(100ms), ms_tensor(1000)); }, text100,
+        "forward, by id");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { rm.forward_async(distrpc::with_timeout(100ms), ms_tensor(1000)).value(); }, text100,
+        "forward_async, by id");
+    CHECK(ms_since(t0) < 900);
+    // Without options the agent's default (60 s) applies: the same slow call completes.
+    CHECK(at::equal(rm.forward(ms_tensor(300)), ms_tensor(300)));
+
+    CHECK(rm.remote_parameters(distrpc::with_timeout(20s)).size() == 1);
+    CHECK(rm.remote_parameters(distrpc::with_timeout(20s), /*recurse=*/false).size() == 1);
+    rm.eval(distrpc::with_timeout(20s));
+    CHECK_FALSE(distrpc::rpc_sync<&linear_is_training_on_owner>("worker1", rm.get_module_rref()));
+    rm.train(distrpc::with_timeout(20s));
+    CHECK(distrpc::rpc_sync<&linear_is_training_on_owner>("worker1", rm.get_module_rref()));
+    rm.train(distrpc::with_timeout(20s), false);
+    CHECK_FALSE(distrpc::rpc_sync<&linear_is_training_on_owner>("worker1", rm.get_module_rref()));
+    rm.train(true);
+
+    // A remote train() slower than its timeout: raised here at the timeout.
+    auto slow_train = RemoteModule<LinearInterface>::create<SleepyModule>("worker1/cpu", 1000);
+    CHECK(at::equal(slow_train.forward(ms_tensor(0)), ms_tensor(0)));  // built
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { slow_train.train(distrpc::with_timeout(100ms), false); }, text100, "train");
+    CHECK(ms_since(t0) < 900);
+    // A timed-out call may still run on the owner (as for rpc_sync): the flag goes to false.
+    auto remote_training = [&] {
+      return distrpc::rpc_sync<&linear_is_training_on_owner>("worker1",
+                                                             slow_train.get_module_rref());
+    };
+    bool training = true;
+    t0 = Clock::now();
+    while (training && ms_since(t0) < 10000) {
+      training = remote_training();
+      if (training) std::this_thread::sleep_for(10ms);
+    }
+    CHECK_FALSE(training);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>([&] { slow_train.train(distrpc::with_timeout(100ms)); },
+                                           text100, "train(opts)");
+    CHECK(ms_since(t0) < 900);
+    slow_train.train(distrpc::with_timeout(20s), true);  // within its timeout
+    CHECK(remote_training());
+
+    // In a module tree, a train() whose RPC fails leaves the local flag as it was.
+    auto in_tree = std::make_shared<distrpc::nn::RemoteModuleImpl<LinearInterface>>(slow_train);
+    CHECK(in_tree->is_training());
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { in_tree->train(distrpc::with_timeout(100ms), false); }, text100, "tree train");
+    CHECK(in_tree->is_training());
+    in_tree->eval(distrpc::with_timeout(20s));
+    CHECK_FALSE(in_tree->is_training());
+    CHECK_FALSE(remote_training());
+
+    // Options first with the interface's default arguments.
+    const at::Tensor one = at::ones({1});
+    auto my = RemoteModule<MyModuleInterface>::create<MyModule>("worker1/cpu", 1, 2);
+    check_result(my.forward(distrpc::with_timeout(20s), one, 2), "default", 2, one);
+    check_result(my.forward(distrpc::with_timeout(20s), one, 3, "w"), "w", 3, one);
+    check_result(my.forward_async(distrpc::with_timeout(20s), one, 4).value(), "default", 4, one);
+    check_result(my.forward_async(distrpc::with_timeout(20s), one, 5, "v").value(), "v", 5, one);
+    const distrpc::CallOptions opts = distrpc::with_timeout(20s);  // an lvalue works the same
+    check_result(my.forward(opts, one, 6), "default", 6, one);
+  }
+  distrpc::shutdown();
+}
+
+// ---- options structs as constructor arguments -------------------------------------------------
+
+namespace {
+
+template <class O>
+O round_trip(const O& options) {
+  distrpc::wire::Message m;
+  distrpc::wire::encode(m, distrpc::nn::WireOptions<O>(options));
+  distrpc::nn::WireOptions<O> back;
+  CHECK_FALSE(back.has_value());
+  distrpc::wire::decode(m, back);
+  REQUIRE(back.has_value());
+  return back.get();
+}
+
+template <std::size_t D>
+std::array<int64_t, D> values(const torch::ExpandingArray<D>& a) {
+  return *a;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "remote module: every supported options struct round-trips through the wire, field by field") {
+  using A1 = std::array<int64_t, 1>;
+  using A2 = std::array<int64_t, 2>;
+  using A3 = std::array<int64_t, 3>;
+
+  const auto lin = round_trip(torch::nn::LinearOptions(3, 7).bias(false));
+  CHECK(lin.in_features() == 3);
+  CHECK(lin.out_features() == 7);
+  CHECK_FALSE(lin.bias());
+  CHECK(round_trip(torch::nn::LinearOptions(1, 2)).bias());
+
+  const auto c1 = round_trip(torch::nn::Conv1dOptions(2, 4, 5)
+                                 .stride(2)
+                                 .padding(3)
+                                 .dilation(2)
+                                 .groups(2)
+                                 .bias(false)
+                                 .padding_mode(torch::kReflect));
+  CHECK(c1.in_channels() == 2);
+  CHECK(c1.out_channels() == 4);
+  CHECK(values(c1.kernel_size()) == A1{5});
+  CHECK(values(c1.stride()) == A1{2});
+  REQUIRE(get_if<torch::ExpandingArray<1>>(&c1.padding()) != nullptr);
+  CHECK(values(*get_if<torch::ExpandingArray<1>>(&c1.padding())) == A1{3});
+  CHECK(values(c1.dilation()) == A1{2});
+  CHECK(c1.groups() == 2);
+  CHECK_FALSE(c1.bias());
+  CHECK(holds_alternative<torch::enumtype::kReflect>(c1.padding_mode()));
+
+  const auto c2 = round_trip(torch::nn::Conv2dOptions(3, 6, {3, 5})
+                                 .padding(torch::kSame)
+                                 .dilation({2, 1})
+                                 .padding_mode(torch::kCircular));
+  CHECK(values(c2.kernel_size()) == A2{3, 5});
+  CHECK(values(c2.stride()) == A2{1, 1});
+  CHECK(holds_alternative<torch::enumtype::kSame>(c2.padding()));
+  CHECK(values(c2.dilation()) == A2{2, 1});
+  CHECK(c2.bias());
+  CHECK(holds_alternative<torch::enumtype::kCircular>(c2.padding_mode()));
+  CHECK(holds_alternative<torch::enumtype::kValid>(
+      round_trip(torch::nn::Conv2dOptions(1, 1, 1).padding(torch::kValid)).padding()));
+  CHECK(holds_alternative<torch::enumtype::kZeros>(
+      round_trip(torch::nn::Conv2dOptions(1, 1, 1)).padding_mode()));
+
+  const auto c3 = round_trip(torch::nn::Conv3dOptions(1, 2, {1, 2, 3})
+                                 .stride({3, 2, 1})
+                                 .padding({1, 0, 2})
+                                 .groups(1)
+                                 .bias(false)
+                                 .padding_mode(torch::kReplicate));
+  CHECK(c3.in_channels() == 1);
+  CHECK(c3.out_channels() == 2);
+  CHECK(values(c3.kernel_size()) == A3{1, 2, 3});
+  CHECK(values(c3.stride()) == A3{3, 2, 1});
+  REQUIRE(get_if<torch::ExpandingArray<3>>(&c3.padding()) != nullptr);
+  CHECK(values(*get_if<torch::ExpandingArray<3>>(&c3.padding())) == A3{1, 0, 2});
+  CHECK_FALSE(c3.bias());
+  CHECK(holds_alternative<torch::enumtype::kReplicate>(c3.padding_mode()));
+
+  const at::Tensor weight = at::randn({10, 4});
+  const auto emb = round_trip(torch::nn::EmbeddingOptions(10, 4)
+                                  .padding_idx(2)
+                                  .max_norm(1.5)
+                                  .norm_type(3.0)
+                                  .scale_grad_by_freq(true)
+                                  .sparse(true)
+                                  ._weight(weight));
+  CHECK(emb.num_embeddings() == 10);
+  CHECK(emb.embedding_dim() == 4);
+  REQUIRE(emb.padding_idx().has_value());
+  CHECK(*emb.padding_idx() == 2);
+  REQUIRE(emb.max_norm().has_value());
+  CHECK(*emb.max_norm() == 1.5);
+  CHECK(emb.norm_type() == 3.0);
+  CHECK(emb.scale_grad_by_freq());
+  CHECK(emb.sparse());
+  CHECK(at::equal(emb._weight(), weight));
+  const auto emb_default = round_trip(torch::nn::EmbeddingOptions(3, 2));
+  CHECK_FALSE(emb_default.padding_idx().has_value());
+  CHECK_FALSE(emb_default.max_norm().has_value());
+  CHECK_FALSE(emb_default._weight().defined());
+
+  const auto ln =
+      round_trip(torch::nn::LayerNormOptions({2, 3}).eps(1e-3).elementwise_affine(false));
+  CHECK(ln.normalized_shape() == std::vector<int64_t>{2, 3});
+  CHECK(ln.eps() == 1e-3);
+  CHECK_FALSE(ln.elementwise_affine());
+
+  const auto bn = round_trip(
+      torch::nn::BatchNorm1dOptions(5).eps(1e-3).momentum(0.25).affine(false).track_running_stats(
+          false));
+  CHECK(bn.num_features() == 5);
+  CHECK(bn.eps() == 1e-3);
+  REQUIRE(bn.momentum().has_value());
+  CHECK(*bn.momentum() == 0.25);
+  CHECK_FALSE(bn.affine());
+  CHECK_FALSE(bn.track_running_stats());
+  torch::nn::BatchNorm3dOptions no_momentum(2);
+  no_momentum.momentum(std::decay_t<decltype(no_momentum.momentum())>());
+  CHECK_FALSE(round_trip(no_momentum).momentum().has_value());
+
+  const auto drop = round_trip(torch::nn::DropoutOptions(0.25).inplace(true));
+  CHECK(drop.p() == 0.25);
+  CHECK(drop.inplace());
+
+  const auto lstm = round_trip(torch::nn::LSTMOptions(4, 6)
+                                   .num_layers(3)
+                                   .bias(false)
+                                   .batch_first(true)
+                                   .dropout(0.5)
+                                   .bidirectional(true)
+                                   .proj_size(2));
+  CHECK(lstm.input_size() == 4);
+  CHECK(lstm.hidden_size() == 6);
+  CHECK(lstm.num_layers() == 3);
+  CHECK_FALSE(lstm.bias());
+  CHECK(lstm.batch_first());
+  CHECK(lstm.dropout() == 0.5);
+  CHECK(lstm.bidirectional());
+  CHECK(lstm.proj_size() == 2);
+
+  const auto gru = round_trip(torch::nn::GRUOptions(5, 7)
+                                  .num_layers(2)
+                                  .bias(false)
+                                  .batch_first(true)
+                                  .dropout(0.25)
+                                  .bidirectional(true));
+  CHECK(gru.input_size() == 5);
+  CHECK(gru.hidden_size() == 7);
+  CHECK(gru.num_layers() == 2);
+  CHECK_FALSE(gru.bias());
+  CHECK(gru.batch_first());
+  CHECK(gru.dropout() == 0.25);
+  CHECK(gru.bidirectional());
+
+  const auto rnn = round_trip(torch::nn::RNNOptions(3, 8)
+                                  .num_layers(4)
+                                  .nonlinearity(torch::kReLU)
+                                  .bias(false)
+                                  .batch_first(true)
+                                  .dropout(0.125)
+                                  .bidirectional(true));
+  CHECK(rnn.input_size() == 3);
+  CHECK(rnn.hidden_size() == 8);
+  CHECK(rnn.num_layers() == 4);
+  CHECK(holds_alternative<torch::enumtype::kReLU>(rnn.nonlinearity()));
+  CHECK_FALSE(rnn.bias());
+  CHECK(rnn.batch_first());
+  CHECK(rnn.dropout() == 0.125);
+  CHECK(rnn.bidirectional());
+  CHECK(holds_alternative<torch::enumtype::kTanh>(
+      round_trip(torch::nn::RNNOptions(1, 1)).nonlinearity()));
+
+  // Bad input: an unknown tag is a DecodeError naming the field; an empty value has no options.
+  distrpc::wire::Message bad;
+  distrpc::wire::encode(bad, int64_t{3}, int64_t{8}, int64_t{1}, true, false, 0.0, false,
+                        std::uint8_t{9});
+  distrpc::nn::WireOptions<torch::nn::RNNOptions> rnn_back;
+  expect_exact<distrpc::wire::DecodeError>([&] { distrpc::wire::decode(bad, rnn_back); },
+                                           "torch::nn::RNNOptions: unknown nonlinearity tag 9",
+                                           "bad nonlinearity tag");
+  expect_exact<std::logic_error>([] { distrpc::nn::WireOptions<torch::nn::LinearOptions>().get(); },
+                                 "no options held", "get() of an empty WireOptions");
+}
+
+namespace rm_test {
+
+using LSTMOut = std::tuple<at::Tensor, std::tuple<at::Tensor, at::Tensor>>;
+struct LSTMInterface {
+  LSTMOut forward(at::Tensor input);
+};
+
+}  // namespace rm_test
+
+DISTRPC_MP_TEST(
+    "remote module: options structs as constructor arguments build the module they describe", 2,
+    60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    using LinearRM = RemoteModule<LinearInterface>;
+    const at::Tensor x = at::randn({5, 4});
+    // Linear without bias: one parameter, and forward is x W^T.
+    auto lin = LinearRM::create<torch::nn::Linear>("worker1/cpu",
+                                                   torch::nn::LinearOptions(4, 3).bias(false));
+    auto params = lin.remote_parameters();
+    REQUIRE(params.size() == 1);
+    const at::Tensor w = params[0].to_here();
+    CHECK(w.sizes() == at::IntArrayRef({3, 4}));
+    CHECK(at::allclose(lin.forward(x), at::matmul(x, w.t())));
+
+    // Conv2d with stride and padding: (32 + 2*1 - 3) / 2 + 1 = 16.
+    auto conv = LinearRM::create<torch::nn::Conv2d>(
+        "worker1/cpu", torch::nn::Conv2dOptions(3, 8, 3).stride(2).padding(1));
+    CHECK(conv.forward(at::randn({2, 3, 32, 32})).sizes() == at::IntArrayRef({2, 8, 16, 16}));
+    auto same = LinearRM::create<torch::nn::Conv2d>(
+        "worker1/cpu", torch::nn::Conv2dOptions(3, 4, {3, 5}).padding(torch::kSame).bias(false));
+    CHECK(same.forward(at::randn({1, 3, 9, 11})).sizes() == at::IntArrayRef({1, 4, 9, 11}));
+    CHECK(same.remote_parameters().size() == 1);
+
+    // Embedding with padding_idx: that row is zero.
+    auto emb = LinearRM::create<torch::nn::Embedding>(
+        "worker1/cpu", torch::nn::EmbeddingOptions(10, 3).padding_idx(0));
+    const at::Tensor rows = emb.forward(at::tensor({0, 4}, at::kLong));
+    CHECK(rows.sizes() == at::IntArrayRef({2, 3}));
+    CHECK(at::equal(rows[0], at::zeros({3})));
+
+    // BatchNorm2d without affine parameters; LayerNorm without them either.
+    auto bn = LinearRM::create<torch::nn::BatchNorm2d>(
+        "worker1/cpu", torch::nn::BatchNorm2dOptions(3).affine(false));
+    CHECK(bn.remote_parameters().empty());
+    CHECK(bn.forward(at::randn({4, 3, 2, 2})).sizes() == at::IntArrayRef({4, 3, 2, 2}));
+    auto ln = LinearRM::create<torch::nn::LayerNorm>(
+        "worker1/cpu", torch::nn::LayerNormOptions({4}).elementwise_affine(false));
+    CHECK(ln.remote_parameters().empty());
+    const at::Tensor normed = ln.forward(x);
+    CHECK(at::allclose(normed.mean(1), at::zeros({5}), 1e-5, 1e-5));
+
+    // A two-layer batch-first LSTM: 4 parameters per layer, output (batch, seq, hidden).
+    auto lstm = RemoteModule<LSTMInterface>::create<torch::nn::LSTM>(
+        "worker1/cpu", torch::nn::LSTMOptions(4, 6).num_layers(2).batch_first(true));
+    CHECK(lstm.remote_parameters().size() == 8);
+    const auto [out, state] = lstm.forward(at::randn({2, 5, 4}));
+    CHECK(out.sizes() == at::IntArrayRef({2, 5, 6}));
+    CHECK(std::get<0>(state).sizes() == at::IntArrayRef({2, 2, 6}));
+  }
+  distrpc::shutdown();
+}
+
+// ---- a RemoteModule inside a local module tree -------------------------------------------------
+
+namespace rm_test {
+
+// A local Linear, then a remote one, registered like any submodule.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(RemoteModule<LinearInterface> remote)
+      : local(register_module("local", torch::nn::Linear(4, 8))),
+        encoder(register_module(
+            "encoder", distrpc::nn::RemoteModuleHolder<LinearInterface>(std::move(remote)))) {}
+  at::Tensor forward(const at::Tensor& x) { return encoder->forward(at::relu(local->forward(x))); }
+  torch::nn::Linear local;
+  distrpc::nn::RemoteModuleHolder<LinearInterface> encoder;
+};
+TORCH_MODULE(Net);
+
+at::Tensor forward_through(RemoteModule<LinearInterface> rm, at::Tensor x) {
+  return rm.forward(x);
+}
+
+}  // namespace rm_test
+
+DISTRPC_MP_TEST(
+    "remote module: inside a local module tree: forward, train/eval, parameters, printing, "
+    "copies, sending its handle",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    using distrpc::nn::RemoteModuleImpl;
+    Net net(RemoteModule<LinearInterface>::create<torch::nn::Linear>("worker1/cpu", 8, 3));
+    const at::Tensor x = at::randn({5, 4});
+
+    // Numerically the local computation with the remote weights.
+    auto remote_params = net->encoder->remote_parameters();
+    REQUIRE(remote_params.size() == 2);
+    const at::Tensor w = remote_params[0].to_here();
+    const at::Tensor b = remote_params[1].to_here();
+    const at::Tensor expected = at::linear(at::relu(net->local->forward(x)), w, b);
+    const at::Tensor y = net->forward(x);
+    CHECK(y.sizes() == at::IntArrayRef({5, 3}));
+    CHECK(at::allclose(y, expected));
+    CHECK(at::allclose(net->encoder->forward(distrpc::with_timeout(20s), at::ones({1, 8})),
+                       at::linear(at::ones({1, 8}), w, b)));
+
+    // parameters() lists the local ones only; the remote ones come from remote_parameters().
+    std::vector<std::string> names;
+    for (const auto& p : net->named_parameters()) names.push_back(p.key());
+    CHECK(names == std::vector<std::string>{"local.weight", "local.bias"});
+    CHECK(net->encoder->parameters().empty());
+    std::vector<std::string> children;
+    for (const auto& c : net->named_children()) children.push_back(c.key());
+    CHECK(children == std::vector<std::string>{"local", "encoder"});
+
+    // Name and printing.
+    CHECK(net->encoder->name() == "distrpc::nn::RemoteModule<rm_test::LinearInterface>");
+    std::ostringstream printed;
+    printed << *net;
+    CHECK_MESSAGE(contains(printed.str(),
+                           "\n  (encoder): distrpc::nn::RemoteModule<rm_test::LinearInterface>("
+                           "worker1/cpu)\n"),
+                  printed.str());
+
+    // train/eval of the parent reach the remote module.
+    auto remote_training = [&] {
+      return distrpc::rpc_sync<&linear_is_training_on_owner>("worker1",
+                                                             net->encoder->get_module_rref());
+    };
+    CHECK(remote_training());
+    net->eval();
+    CHECK_FALSE(net->is_training());
+    CHECK_FALSE(net->local->is_training());
+    CHECK_FALSE(net->encoder->is_training());
+    CHECK_FALSE(remote_training());
+    net->train();
+    CHECK(net->encoder->is_training());
+    CHECK(remote_training());
+    net->encoder->eval(distrpc::with_timeout(20s));
+    CHECK_FALSE(net->encoder->is_training());
+    CHECK_FALSE(remote_training());
+    net->train(true);
+    CHECK(remote_training());
+
+    // Copies of the parent's holder share the modules; the copy outlives the original.
+    Net copy = net;
+    CHECK(copy.ptr() == net.ptr());
+    net = nullptr;
+    CHECK(at::allclose(copy->forward(x), expected));
+    copy->eval();
+    CHECK_FALSE(distrpc::rpc_sync<&linear_is_training_on_owner>("worker1",
+                                                                copy->encoder->get_module_rref()));
+
+    // The handle inside is the by-value RemoteModule: it still travels over RPC.
+    const RemoteModule<LinearInterface> handle = copy->encoder->handle();
+    CHECK(at::allclose(distrpc::rpc_sync<&forward_through>("worker1", handle, at::ones({2, 8})),
+                       at::linear(at::ones({2, 8}), w, b)));
+
+    // Bad input: an empty handle; cloning, which would need a second remote module.
+    expect_exact<std::invalid_argument>(
+        [] { RemoteModuleImpl<LinearInterface>{RemoteModule<LinearInterface>()}; },
+        "distrpc::nn::RemoteModule<rm_test::LinearInterface>: cannot wrap an empty RemoteModule "
+        "handle",
+        "empty handle");
+    expect_exact<std::logic_error>([&] { copy->encoder->clone(); },
+                                   "distrpc::nn::RemoteModule<rm_test::LinearInterface> cannot be "
+                                   "cloned: its module lives on WorkerInfo(",
+                                   "clone");
+  }
+  distrpc::shutdown();
 }

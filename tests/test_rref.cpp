@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
+#include <torch/library.h>
 
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
@@ -176,6 +177,7 @@ struct MyClass {
 };
 DISTRPC_REGISTER_METHOD(MyClass, increment_value);
 DISTRPC_REGISTER_METHOD(MyClass, get_value);
+DISTRPC_REGISTER_METHOD(MyClass, slow_get);
 
 std::vector<RRef<MyClass>> get_rref_list(std::vector<int> values) {
   std::vector<RRef<MyClass>> out;
@@ -709,6 +711,109 @@ DISTRPC_MP_TEST(
   CHECK(distrpc::rpc_sync<&add_ints>(dst, 1, 1) == 2);
   CHECK(unshippable.rpc_sync<&Unshippable::hit>() == 1);
   CHECK(unshippable.rpc_sync<&Unshippable::hit>() == 2);
+  distrpc::shutdown();
+}
+
+// ---- CallOptions first on the by-name proxies and on builtin calls -----------------------------
+// As rpc_sync<&f>(to, opts, ...) and rref.rpc_sync<&T::m>(opts, ...) take them. A builtin call
+// by schema name reaches any operator the dispatcher knows: distrpc_rref_test::sleep_ms is one
+// that sleeps, registered here.
+
+namespace {
+int64_t sleep_op(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+}  // namespace
+
+TORCH_LIBRARY(distrpc_rref_test, m) {
+  m.def("sleep_ms(int ms) -> int", sleep_op);
+}
+
+DISTRPC_MP_TEST(
+    "rref: CallOptions first on the by-name proxies and on builtin calls by schema name; the "
+    "timeout is honoured",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    const std::string text100 =
+        "RPC ran for more than set timeout (100 ms) and will now be marked with an error";
+    auto obj = distrpc::rpc_sync<&get_rref_list>("worker1", std::vector<int>{5})[0];
+    auto t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { obj.rpc_sync_by_name<int>(distrpc::with_timeout(100ms), "slow_get", 1000); }, text100,
+        "rpc_sync_by_name");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { obj.rpc_async_by_name<int>(distrpc::with_timeout(100ms), "slow_get", 1000).value(); },
+        text100, "rpc_async_by_name");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] {
+          obj.remote_by_name<int>(distrpc::with_timeout(100ms), "slow_get", 1000)
+              .get_future()
+              .wait();
+        },
+        text100, "remote_by_name");
+    CHECK(ms_since(t0) < 900);
+    // Within the timeout.
+    CHECK(obj.rpc_sync_by_name<int>(distrpc::with_timeout(20s), "slow_get", 10) == 5);
+    obj.rpc_sync_by_name<void>(distrpc::with_timeout(20s), "increment_value", 2);
+    CHECK(obj.rpc_async_by_name<int>(distrpc::with_timeout(20s), "get_value").value() == 7);
+    CHECK(obj.remote_by_name<int>(distrpc::with_timeout(20s), "get_value").to_here() == 7);
+    expect_exact<distrpc::AttributeError>(
+        [&] { obj.rpc_sync_by_name<int>(distrpc::with_timeout(20s), "non_exist"); },
+        "has no attribute 'non_exist'", "unknown name with options");
+
+    // Builtins by schema name: CallOptions first, as every other call form.
+    const at::Tensor x = at::ones({2});
+    using IValues = std::vector<c10::IValue>;
+    const std::string op = "distrpc_rref_test::sleep_ms";
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { distrpc::rpc_sync("worker1", distrpc::with_timeout(100ms), op, IValues{1000}); },
+        text100, "builtin rpc_sync");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] {
+          distrpc::rpc_async("worker1", distrpc::with_timeout(100ms), op, IValues{1000}).value();
+        },
+        text100, "builtin rpc_async");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] {
+          distrpc::remote("worker1", distrpc::with_timeout(100ms), op, IValues{1000})
+              .get_future()
+              .wait();
+        },
+        text100, "builtin remote");
+    CHECK(ms_since(t0) < 900);
+    t0 = Clock::now();
+    expect_exact<distrpc::RpcTimeoutError>(
+        [&] { distrpc::rpc_sync("worker1", op, IValues{1000}, distrpc::with_timeout(100ms)); },
+        text100, "builtin rpc_sync, options last");
+    CHECK(ms_since(t0) < 900);
+    CHECK(distrpc::rpc_sync("worker1", distrpc::with_timeout(20s), op, IValues{10}).toInt() == 10);
+    CHECK(distrpc::rpc_async("worker1", distrpc::with_timeout(20s), op, IValues{20})
+              .value()
+              .toInt() == 20);
+    CHECK(
+        distrpc::remote("worker1", distrpc::with_timeout(20s), op, IValues{30}).to_here().toInt() ==
+        30);
+    CHECK(at::equal(
+        distrpc::rpc_sync("worker1", distrpc::with_timeout(20s), "aten::add.Tensor", IValues{x, x})
+            .toTensor(),
+        x * 2));
+    // The options after the arguments are still accepted.
+    CHECK(at::equal(
+        distrpc::rpc_sync("worker1", "aten::add.Tensor", IValues{x, x}, distrpc::with_timeout(20s))
+            .toTensor(),
+        x * 2));
+  }
   distrpc::shutdown();
 }
 

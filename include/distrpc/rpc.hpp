@@ -86,9 +86,11 @@ detail::call_result_t<F> rpc_sync(const Destination& to, A&&... args) {
 
 // ---- builtin operators by schema name ----------------------------------------------------------
 
-// PyTorch's builtin calls: rpc_async("worker1", "aten::add.Tensor", {a, b}).
-inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
-                                     std::vector<c10::IValue> args, CallOptions opts = {}) {
+// PyTorch's builtin calls: rpc_async("worker1", "aten::add.Tensor", {a, b}). CallOptions go
+// first, as for every call (rpc_sync("worker1", distrpc::with_timeout(100ms), "aten::mm", {a, b}));
+// the trailing form (..., {a, b}, opts) is also accepted.
+inline Future<c10::IValue> rpc_async(const Destination& to, CallOptions opts, const std::string& op,
+                                     std::vector<c10::IValue> args) {
   // The library's own: served by every agent (whether it runs `op` is its builtin_operators').
   detail::ensure_library_registered<&detail::run_builtin>();
   auto agent = detail::current_agent();
@@ -99,9 +101,17 @@ inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& o
   detail::register_in_scope(typed);
   return typed;
 }
+inline Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
+                                     std::vector<c10::IValue> args, CallOptions opts = {}) {
+  return rpc_async(to, opts, op, std::move(args));
+}
+inline c10::IValue rpc_sync(const Destination& to, CallOptions opts, const std::string& op,
+                            std::vector<c10::IValue> args) {
+  return rpc_async(to, opts, op, std::move(args)).value();
+}
 inline c10::IValue rpc_sync(const Destination& to, const std::string& op,
                             std::vector<c10::IValue> args, CallOptions opts = {}) {
-  return rpc_async(to, op, std::move(args), opts).value();
+  return rpc_async(to, opts, op, std::move(args)).value();
 }
 
 // ---- queries -----------------------------------------------------------------------------------
@@ -247,6 +257,17 @@ class RpcGroup {
   detail::call_result_t<F> rpc_sync(const Destination& to, A&&... args) const {
     const auto current = use();
     return ::distrpc::rpc_sync<F>(to, std::forward<A>(args)...);
+  }
+  [[nodiscard]] Future<c10::IValue> rpc_async(const Destination& to, CallOptions opts,
+                                              const std::string& op,
+                                              std::vector<c10::IValue> args) const {
+    const auto current = use();
+    return ::distrpc::rpc_async(to, opts, op, std::move(args));
+  }
+  c10::IValue rpc_sync(const Destination& to, CallOptions opts, const std::string& op,
+                       std::vector<c10::IValue> args) const {
+    const auto current = use();
+    return ::distrpc::rpc_sync(to, opts, op, std::move(args));
   }
   [[nodiscard]] Future<c10::IValue> rpc_async(const Destination& to, const std::string& op,
                                               std::vector<c10::IValue> args,

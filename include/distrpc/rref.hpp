@@ -209,18 +209,23 @@ class RRef {
 
   // By name, for methods registered with DISTRPC_REGISTER_METHOD(T, m). R and the argument types
   // must be the method's exactly. An unknown name throws AttributeError ("has no attribute").
+  // Each takes an optional CallOptions first, as the typed proxies do.
   template <class R, class... A>
-  R rpc_sync_by_name(const std::string& method, A&&... args) const {
-    return rpc_async_by_name<R>(method, std::forward<A>(args)...).value();
+  R rpc_sync_by_name(CallOptions opts, const std::string& method, A&&... args) const {
+    return rpc_async_by_name<R>(opts, method, std::forward<A>(args)...).value();
   }
   template <class R, class... A>
-  Future<R> rpc_async_by_name(const std::string& method, A&&... args) const {
+  R rpc_sync_by_name(const std::string& method, A&&... args) const {
+    return rpc_sync_by_name<R>(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <class R, class... A>
+  Future<R> rpc_async_by_name(CallOptions opts, const std::string& method, A&&... args) const {
     try {
       auto e = find_method<R, std::decay_t<A>...>(method);
       auto agent = detail::current_agent();
       const WorkerInfo dst = agent->worker(owner());
       auto packed = std::make_tuple(*this, std::decay_t<A>(std::forward<A>(args))...);
-      auto reply = detail::send_packed(agent, dst, agent->effective_timeout(kUnsetRpcTimeout),
+      auto reply = detail::send_packed(agent, dst, agent->effective_timeout(opts.timeout),
                                        header_of(e), packed, "call to '" + e.proxy_name + "'");
       auto typed = detail::decode_reply<R>(reply, agent, dst.id);
       detail::register_in_scope(typed);
@@ -230,12 +235,20 @@ class RRef {
     }
   }
   template <class R, class... A>
-  RRef<R> remote_by_name(const std::string& method, A&&... args) const {
+  Future<R> rpc_async_by_name(const std::string& method, A&&... args) const {
+    return rpc_async_by_name<R>(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <class R, class... A>
+  RRef<R> remote_by_name(CallOptions opts, const std::string& method, A&&... args) const {
     auto e = find_method<R, std::decay_t<A>...>(method);
     auto agent = detail::current_agent();
     auto packed = std::make_tuple(*this, std::decay_t<A>(std::forward<A>(args))...);
-    return detail::remote_packed<R>(agent, agent->worker(owner()), CallOptions{}, header_of(e),
-                                    packed, "remote() of '" + e.proxy_name + "'");
+    return detail::remote_packed<R>(agent, agent->worker(owner()), opts, header_of(e), packed,
+                                    "remote() of '" + e.proxy_name + "'");
+  }
+  template <class R, class... A>
+  RRef<R> remote_by_name(const std::string& method, A&&... args) const {
+    return remote_by_name<R>(CallOptions{}, method, std::forward<A>(args)...);
   }
 
   // ---- serialization (inside RPC messages only) ------------------------------------------------
@@ -425,17 +438,17 @@ class RRef<void> {
                   "the function, or make the function return the object");
   }
   template <class R, class... A>
-  void rpc_sync_by_name(const std::string&, A&&...) const {
+  void rpc_sync_by_name(A&&...) const {
     static_assert(detail::no_by_name_on_void_v<R>,
                   "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
   }
   template <class R, class... A>
-  void rpc_async_by_name(const std::string&, A&&...) const {
+  void rpc_async_by_name(A&&...) const {
     static_assert(detail::no_by_name_on_void_v<R>,
                   "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
   }
   template <class R, class... A>
-  void remote_by_name(const std::string&, A&&...) const {
+  void remote_by_name(A&&...) const {
     static_assert(detail::no_by_name_on_void_v<R>,
                   "distrpc::RRef<void>: an RRef<void> holds no object to call methods on by name");
   }
@@ -513,11 +526,16 @@ RRef<detail::call_result_t<F>> remote(const Destination& to, A&&... args) {
   return remote<F>(to, CallOptions{}, std::forward<A>(args)...);
 }
 
-// remote() of a builtin operator by schema name: RRef<c10::IValue>.
+// remote() of a builtin operator by schema name: RRef<c10::IValue>. CallOptions first, as for
+// every call; the trailing form is also accepted.
+inline RRef<c10::IValue> remote(const Destination& to, CallOptions opts, const std::string& op,
+                                std::vector<c10::IValue> args) {
+  detail::ensure_library_registered<&detail::run_builtin>();  // the library's own
+  return remote<&detail::run_builtin>(to, opts, op, std::move(args));
+}
 inline RRef<c10::IValue> remote(const Destination& to, const std::string& op,
                                 std::vector<c10::IValue> args, CallOptions opts = {}) {
-  detail::ensure_library_registered<&detail::run_builtin>();
-  return remote<&detail::run_builtin>(to, opts, op, std::move(args));
+  return remote(to, opts, op, std::move(args));
 }
 
 template <class T>

@@ -22,16 +22,23 @@
 #include "distrpc/nn/interface.hpp"
 #include "distrpc/nn/interface_module.hpp"
 #include "distrpc/nn/module_directory.hpp"
+#include "distrpc/nn/module_options.hpp"
 #include "distrpc/registry.hpp"
 #include "distrpc/rref.hpp"
 
 namespace distrpc::nn::detail {
 
-// A constructor argument as it travels: decayed, and C strings as std::string (a pointer cannot
-// be sent).
+// A constructor argument as it travels: decayed, C strings as std::string (a pointer cannot be
+// sent), and options structs (module_options.hpp) inside WireOptions, which a decoder can make
+// empty first.
 template <class T>
 struct wire_arg {
   using type = T;
+};
+template <class T>
+requires has_options_codec<T>
+struct wire_arg<T> {
+  using type = WireOptions<T>;
 };
 template <>
 struct wire_arg<const char*> {
@@ -43,6 +50,21 @@ struct wire_arg<char*> {
 };
 template <class T>
 using wire_arg_t = typename wire_arg<std::decay_t<T>>::type;
+
+// What the module's constructor receives for an argument that travelled as W: the options
+// themselves for WireOptions, W otherwise.
+template <class W>
+struct ctor_arg {
+  using type = W;
+  static W&& get(W& w) { return std::move(w); }
+};
+template <class O>
+struct ctor_arg<WireOptions<O>> {
+  using type = const O&;
+  static const O& get(const WireOptions<O>& w) { return w.get(); }
+};
+template <class W>
+using ctor_arg_t = typename ctor_arg<W>::type;
 
 // The module's device as a call argument: decoded arguments are default-constructed first, which
 // c10::Device is not.
@@ -60,7 +82,7 @@ struct DeviceArg {
 template <class I, class M, class... C>
 InterfaceModule<I> construct_module(DeviceArg device, C... args) {
   using Impl = module_impl_t<M>;
-  auto module = std::make_shared<Impl>(std::move(args)...);
+  auto module = std::make_shared<Impl>(ctor_arg<C>::get(args)...);
   module->to(device.device);
   return InterfaceModule<I>::adopt(std::move(module));
 }
@@ -164,7 +186,7 @@ struct InterfaceRegistrar {
 template <class I, class M, class... C>
 constexpr bool check_construction() {
   using Impl = module_impl_t<M>;
-  constexpr bool constructible = std::is_constructible_v<Impl, wire_arg_t<C>&&...>;
+  constexpr bool constructible = std::is_constructible_v<Impl, ctor_arg_t<wire_arg_t<C>>...>;
   static_assert(constructible,
                 "distrpc::nn::RemoteModule<Interface>::create<M>(remote_device, args...): M "
                 "cannot be constructed from these arguments (for a ModuleHolder such as "
@@ -172,9 +194,12 @@ constexpr bool check_construction() {
   constexpr bool serializable = (::distrpc::detail::wire_serializable_v<wire_arg_t<C>> && ...);
   static_assert(serializable,
                 "distrpc::nn::RemoteModule<Interface>::create<M>(remote_device, args...): every "
-                "constructor argument travels to the remote worker and must be serializable "
-                "(numbers, strings, tensors, standard containers; pass the values an options "
-                "struct is made of, not the struct)");
+                "constructor argument travels to the remote worker and must be serializable: "
+                "numbers, strings, tensors, standard containers, a type with a cereal serialize "
+                "function, or an options struct with a codec (LinearOptions, Conv2dOptions, ... "
+                "in distrpc/nn/module_options.hpp); for another options struct, specialize "
+                "distrpc::nn::OptionsCodec<TheOptions> with static save(Archive&, const "
+                "TheOptions&) and load(Archive&) as that header shows");
   return constructible && serializable;
 }
 

@@ -7,13 +7,17 @@
 //       "worker1/cpu", 64, 64);                    // built on worker1, asynchronously
 //   at::Tensor y = rm.forward(x);                  // exactly forward(at::Tensor)
 //   distrpc::Future<at::Tensor> f = rm.forward_async(x);
+//   rm.forward(distrpc::with_timeout(100ms), x);   // per-call options first, as rpc_sync's
 //   auto params = rm.remote_parameters();          // std::vector<RRef<at::Tensor>>
 //   rm.eval();                                     // the remote module's flag
 //   distrpc::rpc_sync<&use>("worker2", rm);        // travels inside RPC like an RRef
 //
 // A RemoteModule is a cheap handle (copies share one module RRef). It is not a
 // torch::nn::Module: the local-module API that cannot work remotely (parameters(), to(),
-// state_dict(), hooks, ...) is simply absent (the list is in docs/remote_module.md).
+// state_dict(), hooks, ...) is simply absent (the list is in docs/remote_module.md). To place one
+// inside a local module tree (register_module), wrap it in RemoteModuleImpl / RemoteModuleHolder
+// (remote_module_holder.hpp). Constructor arguments may be libtorch options structs
+// (module_options.hpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -62,26 +66,34 @@ struct checked_interface {
   using type = I;
 };
 
-// The typed stubs: forward / forward_async with exactly Interface::forward's parameters. forward
-// is const unless it overrides a non-const virtual forward of the interface.
+// The typed stubs: forward / forward_async with exactly Interface::forward's parameters, and the
+// same after a CallOptions (per-call options, as rpc_sync / rpc_async and the RRef proxies take
+// them). forward is const unless it overrides a non-const virtual forward of the interface.
 template <class Derived, class I, class Sig = interface_signature_t<I>,
           bool Const = !std::is_polymorphic_v<I> || interface_traits<I>::is_const>
 class ForwardStubs;
 
-#define DISTRPC_NN_FORWARD_STUBS(CONST, QUALS)                                        \
-  template <class Derived, class I, class R, class... A>                              \
-  class ForwardStubs<Derived, I, R(A...), CONST> : public interface_base_t<I> {       \
-   public:                                                                            \
-    /* Overrides I::forward when the interface is polymorphic. */                     \
-    R forward(A... a) QUALS {                                                         \
-      return self().call_sync(std::tuple<std::decay_t<A>...>(std::forward<A>(a)...)); \
-    }                                                                                 \
-    Future<R> forward_async(A... a) const {                                           \
-      return self().call(std::tuple<std::decay_t<A>...>(std::forward<A>(a)...));      \
-    }                                                                                 \
-                                                                                      \
-   private:                                                                           \
-    const Derived& self() const { return static_cast<const Derived&>(*this); }        \
+#define DISTRPC_NN_FORWARD_STUBS(CONST, QUALS)                                                  \
+  template <class Derived, class I, class R, class... A>                                        \
+  class ForwardStubs<Derived, I, R(A...), CONST> : public interface_base_t<I> {                 \
+   public:                                                                                      \
+    /* Overrides I::forward when the interface is polymorphic. */                               \
+    R forward(A... a) QUALS {                                                                   \
+      return self().call_sync(CallOptions{},                                                    \
+                              std::tuple<std::decay_t<A>...>(std::forward<A>(a)...));           \
+    }                                                                                           \
+    R forward(CallOptions opts, A... a) const {                                                 \
+      return self().call_sync(opts, std::tuple<std::decay_t<A>...>(std::forward<A>(a)...));     \
+    }                                                                                           \
+    Future<R> forward_async(A... a) const {                                                     \
+      return self().call(CallOptions{}, std::tuple<std::decay_t<A>...>(std::forward<A>(a)...)); \
+    }                                                                                           \
+    Future<R> forward_async(CallOptions opts, A... a) const {                                   \
+      return self().call(opts, std::tuple<std::decay_t<A>...>(std::forward<A>(a)...));          \
+    }                                                                                           \
+                                                                                                \
+   private:                                                                                     \
+    const Derived& self() const { return static_cast<const Derived&>(*this); }                  \
   };
 DISTRPC_NN_FORWARD_STUBS(false, )
 DISTRPC_NN_FORWARD_STUBS(true, const)
@@ -92,6 +104,13 @@ DISTRPC_NN_FORWARD_STUBS(true, const)
 template <class I, class... U>
 concept not_the_stub_call =
     !std::is_invocable_v<std::add_pointer_t<interface_signature_t<I>>, U...>;
+
+// Whether a call's first argument is its CallOptions (the options-first overloads take it).
+template <class... U>
+inline constexpr bool call_options_first_v = false;
+template <class U0, class... U>
+inline constexpr bool call_options_first_v<U0, U...> =
+    std::is_same_v<std::remove_cvref_t<U0>, CallOptions>;
 
 // Why a forward / forward_async call does not compile, in words.
 template <class I, class... U>
@@ -219,25 +238,38 @@ class RemoteModule
   }
 
   // ---- forward -------------------------------------------------------------------------------
-  // R forward(Args...) and Future<R> forward_async(Args...) come from the stubs base. These two
-  // catch every other call: the interface's default arguments (polymorphic interfaces), or a
-  // static_assert saying what is wrong.
+  // R forward(Args...) and Future<R> forward_async(Args...), each also with a CallOptions first
+  // (rm.forward(distrpc::with_timeout(100ms), x)), come from the stubs base. These catch every
+  // other call: the interface's default arguments (polymorphic interfaces), or a static_assert
+  // saying what is wrong.
   using Stubs::forward;
   using Stubs::forward_async;
 
   template <class... U>
-  result_type forward(U&&... u) const requires detail::not_the_stub_call<I, U...> {
+  result_type forward(U&&... u) const
+      requires(detail::not_the_stub_call<I, U...> && !detail::call_options_first_v<U...>) {
+    return forward(CallOptions{}, std::forward<U>(u)...);
+  }
+  template <class... U>
+  Future<result_type> forward_async(U&&... u) const
+      requires(detail::not_the_stub_call<I, U...> && !detail::call_options_first_v<U...>) {
+    return forward_async(CallOptions{}, std::forward<U>(u)...);
+  }
+  template <class... U>
+  result_type forward(CallOptions opts,
+                      U&&... u) const requires detail::not_the_stub_call<I, U...> {
     if constexpr (detail::fills_defaults<I, U...>) {
-      return call_sync(detail::record_arguments<I>(std::forward<U>(u)...));
+      return call_sync(opts, detail::record_arguments<I>(std::forward<U>(u)...));
     } else {
       detail::report_bad_forward_call<I, U...>();
       throw std::logic_error("unreachable");
     }
   }
   template <class... U>
-  Future<result_type> forward_async(U&&... u) const requires detail::not_the_stub_call<I, U...> {
+  Future<result_type> forward_async(CallOptions opts,
+                                    U&&... u) const requires detail::not_the_stub_call<I, U...> {
     if constexpr (detail::fills_defaults<I, U...>) {
-      return call(detail::record_arguments<I>(std::forward<U>(u)...));
+      return call(opts, detail::record_arguments<I>(std::forward<U>(u)...));
     } else {
       detail::report_bad_forward_call<I, U...>();
       throw std::logic_error("unreachable");
@@ -249,19 +281,24 @@ class RemoteModule
   // One RRef per parameter of the remote module, owned by its worker (for a distributed
   // optimizer). PyTorch's remote_parameters(recurse).
   std::vector<RRef<at::Tensor>> remote_parameters(bool recurse = true) const {
+    return remote_parameters(CallOptions{}, recurse);
+  }
+  std::vector<RRef<at::Tensor>> remote_parameters(CallOptions opts, bool recurse = true) const {
     const State& s = state("remote_parameters()");
-    return ::distrpc::rpc_sync<&detail::parameter_rrefs<I>>(s.module_rref.owner(), s.module_rref,
-                                                            recurse);
+    return ::distrpc::rpc_sync<&detail::parameter_rrefs<I>>(s.module_rref.owner(), opts,
+                                                            s.module_rref, recurse);
   }
 
   module_rref_type get_module_rref() const { return state("get_module_rref()").module_rref; }
 
   // Sets the remote module's training flag (torch::nn::Module::train / eval), synchronously.
-  void train(bool on = true) const {
+  void train(bool on = true) const { train(CallOptions{}, on); }
+  void train(CallOptions opts, bool on = true) const {
     const State& s = state("train()");
-    ::distrpc::rpc_sync<&detail::set_training<I>>(s.module_rref.owner(), s.module_rref, on);
+    ::distrpc::rpc_sync<&detail::set_training<I>>(s.module_rref.owner(), opts, s.module_rref, on);
   }
   void eval() const { train(false); }
+  void eval(CallOptions opts) const { train(opts, false); }
 
   // ---- attributes (PyTorch's on, device, is_device_map_set) ---------------------------------
 
@@ -352,7 +389,7 @@ class RemoteModule
   // PyTorch's forward_async: rpc_async(module_rref.owner(), _remote_forward, (module_rref,
   // device, is_device_map_set, args...)); after the first success, the RRef's id instead of the
   // RRef (module_directory.hpp). rpc_async's steps, spelled out to reach the reply future.
-  Future<result_type> call(args_tuple&& args) const {
+  Future<result_type> call(CallOptions opts, args_tuple&& args) const {
     const State& s = state("forward()");
     auto agent = ::distrpc::detail::current_agent();
     const WorkerInfo owner = s.module_rref.owner();
@@ -362,7 +399,7 @@ class RemoteModule
       reply = std::apply(
           [&](auto&&... a) {
             return ::distrpc::detail::send_call<&Calls::forward_by_id>(
-                agent, owner, CallOptions{}, /*internal=*/false, s.module_rref.rref_id(), device,
+                agent, owner, opts, /*internal=*/false, s.module_rref.rref_id(), device,
                 s.device_map_set, std::move(a)...);
           },
           std::move(args));
@@ -374,8 +411,8 @@ class RemoteModule
       reply = std::apply(
           [&](auto&&... a) {
             return ::distrpc::detail::send_call<&Calls::forward>(
-                agent, owner, CallOptions{}, /*internal=*/false, s.module_rref, device,
-                s.device_map_set, std::move(a)...);
+                agent, owner, opts, /*internal=*/false, s.module_rref, device, s.device_map_set,
+                std::move(a)...);
           },
           std::move(args));
       reply.add_done_callback([state = state_](const Future<wire::Message>& r) {
@@ -388,8 +425,8 @@ class RemoteModule
   }
 
   // forward(): as rpc_sync; waiting on the reply polls for it first (the future's wait driver).
-  result_type call_sync(args_tuple&& args) const {
-    auto f = call(std::move(args));
+  result_type call_sync(CallOptions opts, args_tuple&& args) const {
+    auto f = call(opts, std::move(args));
     if constexpr (std::is_void_v<result_type>) {
       f.value();
     } else {
