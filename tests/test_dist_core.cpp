@@ -19,6 +19,7 @@
 #include <distrpc/dist/bucket_assignment.hpp>
 #include <distrpc/dist/reduce_op.hpp>
 #include <distrpc/dist/work.hpp>
+#include <distrpc/wire.hpp>
 
 using distrpc::dist::ReduceOp;
 
@@ -151,6 +152,37 @@ TEST_CASE("dist ReduceOp: value semantics, equality and names") {
   CHECK(error_text<std::invalid_argument>([] {
           distrpc::dist::make_premul_sum(at::ones({1}, at::kLong));
         }) == "make_premul_sum: the factor tensor must be floating point, got Long");
+}
+
+TEST_CASE("dist ReduceOp: wire round-trip and hostile bytes") {
+  namespace wire = distrpc::wire;
+  const std::vector<ReduceOp> ops{ReduceOp::SUM,
+                                  ReduceOp::AVG,
+                                  ReduceOp::PRODUCT,
+                                  ReduceOp::MIN,
+                                  ReduceOp::MAX,
+                                  ReduceOp::BAND,
+                                  ReduceOp::BOR,
+                                  ReduceOp::BXOR,
+                                  distrpc::dist::make_premul_sum(2.5),
+                                  distrpc::dist::make_premul_sum(at::tensor({0.25}))};
+  for (const ReduceOp& op : ops) {
+    CAPTURE(op.describe());
+    wire::Message m;
+    wire::encode(m, op);
+    const ReduceOp back = std::get<0>(wire::decode_as<ReduceOp>(m));
+    CHECK(back == op);
+    CHECK(back.kind() == op.kind());
+  }
+  auto decode_bytes = [](std::vector<std::uint8_t> bytes) {
+    wire::Message m;
+    wire::encode(m, bytes[0], bytes[1]);
+    return error_text<wire::DecodeError>([&] { (void)wire::decode_as<ReduceOp>(m); });
+  };
+  CHECK(decode_bytes({12, 0}) == "ReduceOp: invalid kind 12");
+  CHECK(decode_bytes({0, 1}) == "ReduceOp: SUM with factor tag 1");
+  CHECK(decode_bytes({8, 0}) == "ReduceOp: PREMUL_SUM with factor tag 0");
+  CHECK(decode_bytes({8, 3}) == "ReduceOp: PREMUL_SUM with factor tag 3");
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // ReduceOp: the reduction a collective applies (PyTorch's torch.distributed.ReduceOp), with
 // PREMUL_SUM's factor, and reduce_into, the local step a CPU backend repeats per incoming
-// contribution. Values compare by kind and factor, so ops can be stored and sent like enums.
+// contribution. Values compare by kind and factor, and travel with distrpc::wire::encode like any
+// value (a tensor factor as a tensor), so ops can be stored and sent like enums.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,9 @@
 #include <variant>
 
 #include <ATen/ATen.h>
+
+#include <distrpc/wire/errors.hpp>
+#include <distrpc/wire/tensor_codec.hpp>
 
 namespace distrpc::dist {
 
@@ -100,6 +104,43 @@ class ReduceOp {
   }
   // Against a bare kind only the kind counts (PyTorch's `op == ReduceOp.SUM`).
   friend bool operator==(const ReduceOp& a, Kind b) { return a.kind_ == b; }
+
+  // cereal: the kind, which factor follows (0 none, 1 scalar, 2 tensor), then the factor. Reading
+  // refuses a kind PyTorch lacks and a factor that does not fit the kind (DecodeError).
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(static_cast<std::uint8_t>(kind_), static_cast<std::uint8_t>(factor_.index()));
+    if (has_scalar_factor()) ar(std::get<double>(factor_));
+    if (has_tensor_factor()) ar(std::get<at::Tensor>(factor_));
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    std::uint8_t kind = 0;
+    std::uint8_t tag = 0;
+    ar(kind, tag);
+    if (kind > PREMUL_SUM) {
+      throw wire::DecodeError("ReduceOp: invalid kind " + std::to_string(int(kind)));
+    }
+    if (tag > 2 || (kind == PREMUL_SUM) != (tag != 0)) {
+      throw wire::DecodeError(std::string("ReduceOp: ") + name(Kind(kind)) + " with factor tag " +
+                              std::to_string(int(tag)));
+    }
+    kind_ = Kind(kind);
+    if (tag == 0) {
+      factor_ = std::monostate{};
+    } else if (tag == 1) {
+      double f = 0;
+      ar(f);
+      factor_ = f;
+    } else {
+      at::Tensor f;
+      ar(f);
+      if (!f.defined() || f.numel() != 1) {
+        throw wire::DecodeError("ReduceOp: PREMUL_SUM with an invalid factor tensor");
+      }
+      factor_ = std::move(f);
+    }
+  }
 
   friend ReduceOp make_premul_sum(double factor);
   friend ReduceOp make_premul_sum(const at::Tensor& factor);
