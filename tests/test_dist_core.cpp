@@ -277,7 +277,12 @@ TEST_CASE("dist Work: completion, result, future and sequence number") {
   CHECK(w.op_name() == "allreduce");
   auto fut = w.get_future();
   std::atomic<int> callbacks{0};
-  fut.add_done_callback([&](const auto&) { callbacks.fetch_add(1); });
+  std::atomic<bool> success_seen_in_callback{false};
+  // The callback re-enters the Work: nothing may be locked while it runs.
+  fut.add_done_callback([&](const auto&) {
+    success_seen_in_callback = w.is_success() && w.result().size() == 1;
+    callbacks.fetch_add(1);
+  });
 
   std::thread backend([&] { CHECK(w.finish({at::full({2}, 3.0f)})); });
   CHECK(w.wait(std::chrono::milliseconds(5000)));
@@ -285,6 +290,7 @@ TEST_CASE("dist Work: completion, result, future and sequence number") {
   CHECK(w.is_completed());
   CHECK(w.is_success());
   CHECK(callbacks.load() == 1);
+  CHECK(success_seen_in_callback.load());
   REQUIRE(w.result().size() == 1);
   CHECK(at::equal(w.result()[0], at::full({2}, 3.0f)));
   CHECK(at::equal(fut.value()[0], at::full({2}, 3.0f)));
@@ -321,6 +327,8 @@ TEST_CASE("dist Work: failure, timeout and recv from any source") {
         "Work::finish_recv: the source rank must not be negative, got -1");
   CHECK(recv.finish_recv({at::ones({1})}, 3));
   CHECK(recv.wait());
+  CHECK(recv.source_rank() == 3);
+  CHECK_FALSE(recv.finish_recv({at::ones({1})}, 5));  // the first sender stands
   CHECK(recv.source_rank() == 3);
 }
 

@@ -91,8 +91,13 @@ class Work {
       throw std::invalid_argument("Work::finish_recv: the source rank must not be negative, got " +
                                   std::to_string(source_rank));
     }
-    if (is_completed()) return false;
-    source_rank_.store(source_rank, std::memory_order_release);
+    // The first completer claims the rank slot, so a racing second one cannot overwrite the
+    // rank a waiter already read.
+    int unset = -1;
+    if (is_completed() ||
+        !source_rank_.compare_exchange_strong(unset, source_rank, std::memory_order_acq_rel)) {
+      return false;
+    }
     return finish(std::move(outputs));
   }
 
