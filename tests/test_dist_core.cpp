@@ -145,6 +145,18 @@ TEST_CASE("dist ReduceOp: value semantics, equality and names") {
 
   CHECK(error_text<std::invalid_argument>([] { ReduceOp op(ReduceOp::PREMUL_SUM); }) ==
         "ReduceOp.PREMUL_SUM needs a factor: use make_premul_sum(factor) instead");
+  CHECK(error_text<std::invalid_argument>([] { ReduceOp op(static_cast<ReduceOp::Kind>(12)); }) ==
+        "ReduceOp: invalid kind 12");
+  CHECK(error_text<std::logic_error>([] { (void)ReduceOp(ReduceOp::SUM).tensor_factor(); }) ==
+        "ReduceOp.SUM has no tensor factor");
+  CHECK(error_text<std::invalid_argument>([] { distrpc::dist::make_premul_sum(at::Tensor()); }) ==
+        "make_premul_sum: the factor tensor is undefined");
+  CHECK(error_text<std::invalid_argument>([] {
+          distrpc::dist::start_reduction(at::Tensor(), ReduceOp::SUM);
+        }) == "start_reduction: the input is undefined");
+  CHECK(error_text<std::invalid_argument>([] {
+          distrpc::dist::start_reduction(at::ones({1}), ReduceOp::BOR);
+        }) == "Cannot use ReduceOp.BOR with non-integral dtype Float");
   CHECK(error_text<std::logic_error>([] { (void)ReduceOp(ReduceOp::MAX).scalar_factor(); }) ==
         "ReduceOp.MAX has no scalar factor");
   CHECK(error_text<std::invalid_argument>([] { distrpc::dist::make_premul_sum(at::ones({2})); }) ==
