@@ -17,8 +17,11 @@
 //      watchKey (default throws: only c10d's TCPStore has it). The base keeps its own timeout_:
 //      this adapter keeps it equal to the distrpc store's timeout.
 //    * The store must be a c10::intrusive_ptr<c10d::Store> (c10::make_intrusive).
-//    * ProcessGroupGloo reads keys through its GlooStore wrapper with wait(keys, timeout) then
-//      get(key): both end up in the distrpc store unchanged.
+//    * ProcessGroupGloo wraps the store in a c10d::PrefixStore per device and hands gloo a
+//      GlooStore (ProcessGroupGloo.hpp) that calls set, get and wait(keys, timeout) on it; its
+//      wait(keys) without a timeout passes c10d::Store::kDefaultTimeout (300 s), not the store's
+//      own timeout, so a peer that never arrives is noticed after the process group's timeout
+//      (Options::create(timeout)) or those 300 s, whichever gloo hits first.
 //  - What changes for libtorch 2.x:
 //    * c10d::Store gains virtuals: append, multiGet, multiSet, hasExtendedApi (gloo and NCCL use
 //      the batched calls when it returns true), clone() (needed by 2.x process groups that
@@ -26,7 +29,8 @@
 //      listKeys in the newest ones; c10::optional becomes std::optional in watchKey.
 //    * ProcessGroupGloo derives from c10d::Backend (not ProcessGroup); a process group is built as
 //      c10d::ProcessGroup + setBackend(...), and Options::create takes the timeout the same way.
-//    * Errors: 2.x throws c10::DistStoreError / DistNetworkError from stores; 1.13 c10::Error.
+//    * Errors: recent 2.x stores throw c10::DistStoreError / c10::DistNetworkError (subclasses of
+//      c10::Error); 1.13 has only c10::Error, which is what this adapter throws.
 //  The adapter translates distrpc's store errors into c10::Error (TORCH_CHECK) so that c10d code
 //  sees the error type it catches, with distrpc's message (which names the key and the store).
 #pragma once
