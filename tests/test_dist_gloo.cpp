@@ -176,3 +176,24 @@ DISTRPC_MP_TEST("ProcessGroupGloo over a distrpc TCPStore: allreduce, broadcast,
   // Both ranks leave together, so neither tears its gloo pairs down under the other.
   pg->barrier()->wait();
 }
+
+// No hang: a peer that never comes makes ProcessGroupGloo's construction fail after the process
+// group's timeout, with the distrpc store's timeout text, instead of blocking.
+TEST_CASE("ProcessGroupGloo whose peer never arrives fails after its timeout") {
+  auto inner = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(30));
+  auto store = c10::make_intrusive<C10dStoreAdapter>(inner);
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(500));
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  const auto start = std::chrono::steady_clock::now();
+  std::string text;
+  try {
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, 0, 2, options);
+  } catch (const c10::Error& e) {
+    text = message_of(e);
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  INFO("error: " << text);
+  CHECK(text.find("Timeout after 500 ms") != std::string::npos);
+  CHECK(elapsed >= std::chrono::milliseconds(500));
+  CHECK(elapsed < std::chrono::seconds(10));
+}

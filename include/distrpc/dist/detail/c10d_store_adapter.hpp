@@ -5,7 +5,9 @@
 // Spike findings (libtorch 1.13 as Debian 12 ships it, gloo 0.0~git20220518):
 //  - What worked: two processes meet through a distrpc TCPStore wrapped by this adapter, build
 //    c10d::ProcessGroupGloo on a loopback device (createDeviceForHostname("127.0.0.1")), and run
-//    allreduce, broadcast and barrier (tests/test_dist_gloo.cpp).
+//    allreduce, broadcast and barrier (tests/test_dist_gloo.cpp). A peer that never arrives makes
+//    the ProcessGroupGloo constructor throw c10::Error carrying the distrpc store's timeout text
+//    after Options' timeout (gloo waits for the peer's address key with that timeout).
 //  - What 1.13 needed:
 //    * ProcessGroupGloo.hpp compiles only with USE_C10D_GLOO defined (libtorch's build defines it;
 //      its installed headers do not), and it includes <gloo/...>: Debian's libgloo-dev, the same
