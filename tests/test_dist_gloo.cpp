@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "distrpc/dist/detail/c10d_store_adapter.hpp"
+#include "distrpc/store/file_store.hpp"
 #include "distrpc/store/hash_store.hpp"
 #include "distrpc/store/tcp_store.hpp"
 #include "multiprocess.hpp"
@@ -196,4 +197,21 @@ TEST_CASE("ProcessGroupGloo whose peer never arrives fails after its timeout") {
   CHECK(text.find("Timeout after 500 ms") != std::string::npos);
   CHECK(elapsed >= std::chrono::milliseconds(500));
   CHECK(elapsed < std::chrono::seconds(10));
+}
+
+// The adapter is not tied to one store: the same collectives meet through a distrpc FileStore
+// (a file in the run's shared directory).
+DISTRPC_MP_TEST("ProcessGroupGloo over a distrpc FileStore: allreduce", 2, 60) {
+  auto file = std::make_shared<distrpc::store::FileStore>(ctx.dir + "/gloo_store", ctx.world,
+                                                          std::chrono::seconds(30));
+  auto store = c10::make_intrusive<C10dStoreAdapter>(file);
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, ctx.rank, ctx.world, options);
+
+  // rank r contributes [r, r + 10] -> [0 + 1, 10 + 11] = [1, 21].
+  std::vector<at::Tensor> t{at::tensor({static_cast<double>(ctx.rank), ctx.rank + 10.0})};
+  pg->allreduce(t)->wait();
+  CHECK(at::equal(t[0], at::tensor({1.0, 21.0})));
+  pg->barrier()->wait();
 }
