@@ -39,7 +39,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <exception>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -110,7 +109,9 @@ class C10dStoreAdapter : public c10d::Store {
   }
 
   // Both timeouts move together: c10d callers read getTimeout() (the base's timeout_), distrpc's
-  // store applies its own to get() and wait(keys).
+  // store applies its own to get() and wait(keys). getTimeout() stays the base's: it returns a
+  // reference, so it cannot read the distrpc store's atomic; a timeout set on the distrpc store
+  // directly is therefore not seen by getTimeout() (set it through the adapter).
   void setTimeout(const std::chrono::milliseconds& timeout) override {
     TORCH_CHECK(timeout.count() >= 0, "C10dStoreAdapter::setTimeout: negative timeout (",
                 timeout.count(), " ms)");
