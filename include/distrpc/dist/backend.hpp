@@ -1,0 +1,230 @@
+// Backend: what one process group member's collective engine provides (PyTorch's c10d::Backend).
+//
+// The shapes are c10d's: a collective takes a list of tensors per call (one per device in
+// PyTorch's old multi-device form; every backend here takes exactly one, the front end passes
+// one) and returns a Work that completes once. A backend issues collectives in call order: every
+// member calls the same collectives in the same order, and the n-th call of each member meets the
+// n-th of the others (its sequence number). A call returns as soon as the work is queued; the
+// caller's tensors must stay alive and untouched until the Work completes (PyTorch's rule).
+//
+// A backend may leave an operation out: the base class's version throws
+// "Backend <name> does not support <op>", which is what the front end reports.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <distrpc/dist/reduce_op.hpp>
+#include <distrpc/dist/work.hpp>
+
+namespace distrpc::dist {
+
+// An operation's timeout when the call gives none: the backend's own (its group's).
+inline constexpr std::chrono::milliseconds kUnsetTimeout{-1};
+
+struct AllreduceOptions {
+  ReduceOp op{};
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct AllreduceCoalescedOptions {
+  ReduceOp op{};
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct BroadcastOptions {
+  int root_rank = 0;
+  int root_tensor = 0;
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct ReduceOptions {
+  ReduceOp op{};
+  int root_rank = 0;
+  int root_tensor = 0;
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct AllgatherOptions {
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct GatherOptions {
+  int root_rank = 0;
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct ScatterOptions {
+  int root_rank = 0;
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct ReduceScatterOptions {
+  ReduceOp op{};
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct AllToAllOptions {
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+struct BarrierOptions {
+  std::chrono::milliseconds timeout = kUnsetTimeout;
+};
+
+class Backend {
+ public:
+  // rank and size within the group this backend serves; timeout: its operations' default.
+  Backend(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {
+    if (size < 1) {
+      throw std::invalid_argument("Backend: the group size must be at least 1, got " +
+                                  std::to_string(size));
+    }
+    if (rank < 0 || rank >= size) {
+      throw std::invalid_argument("Backend: rank " + std::to_string(rank) +
+                                  " is outside the group of size " + std::to_string(size));
+    }
+    if (timeout <= std::chrono::milliseconds::zero()) {
+      throw std::invalid_argument("Backend: the timeout must be positive, got " +
+                                  std::to_string(timeout.count()) + " ms");
+    }
+  }
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+  virtual ~Backend() = default;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  // The backend's name as registered ("distrpc", "gloo").
+  virtual std::string name() const = 0;
+
+  // The number of collectives (and point-to-point calls) this member has issued: equal on every
+  // member between calls, since all issue the same ones (PyTorch's sequence number).
+  virtual std::uint64_t sequence_number() const noexcept {
+    return seq_.load(std::memory_order_acquire);
+  }
+
+  virtual std::shared_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
+                                          const BroadcastOptions& opts = {}) {
+    (void)tensors, (void)opts;
+    return unsupported("broadcast");
+  }
+  virtual std::shared_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
+                                          const AllreduceOptions& opts = {}) {
+    (void)tensors, (void)opts;
+    return unsupported("allreduce");
+  }
+  // Every tensor reduced, as one operation (one exchange where the backend can).
+  virtual std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                    const AllreduceCoalescedOptions& opts = {}) {
+    (void)tensors, (void)opts;
+    return unsupported("allreduce_coalesced");
+  }
+  virtual std::shared_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
+                                       const ReduceOptions& opts = {}) {
+    (void)tensors, (void)opts;
+    return unsupported("reduce");
+  }
+  // outputs[0][r] receives rank r's inputs[0].
+  virtual std::shared_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const AllgatherOptions& opts = {}) {
+    (void)outputs, (void)inputs, (void)opts;
+    return unsupported("allgather");
+  }
+  // output holds size() inputs end to end (along dim 0).
+  virtual std::shared_ptr<Work> allgather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                      const AllgatherOptions& opts = {}) {
+    (void)output, (void)input, (void)opts;
+    return unsupported("allgather_into_tensor");
+  }
+  // On the root, outputs[0][r] receives rank r's inputs[0]; elsewhere outputs is empty.
+  virtual std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                       std::vector<at::Tensor>& inputs,
+                                       const GatherOptions& opts = {}) {
+    (void)outputs, (void)inputs, (void)opts;
+    return unsupported("gather");
+  }
+  // On the root, inputs[0][r] goes to rank r's outputs[0]; elsewhere inputs is empty.
+  virtual std::shared_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
+                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                        const ScatterOptions& opts = {}) {
+    (void)outputs, (void)inputs, (void)opts;
+    return unsupported("scatter");
+  }
+  // outputs[0] receives the reduction over ranks of their inputs[0][rank()].
+  virtual std::shared_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                               const ReduceScatterOptions& opts = {}) {
+    (void)outputs, (void)inputs, (void)opts;
+    return unsupported("reduce_scatter");
+  }
+  // input holds size() slices end to end (along dim 0); output receives this rank's, reduced.
+  virtual std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
+                                                      const ReduceScatterOptions& opts = {}) {
+    (void)output, (void)input, (void)opts;
+    return unsupported("reduce_scatter_tensor");
+  }
+  // Splits along dim 0: input's i-th slice goes to rank i, output's j-th slice comes from rank j.
+  // Empty split sizes mean equal slices.
+  virtual std::shared_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                              std::vector<std::int64_t> output_split_sizes,
+                                              std::vector<std::int64_t> input_split_sizes,
+                                              const AllToAllOptions& opts = {}) {
+    (void)output, (void)input, (void)output_split_sizes, (void)input_split_sizes, (void)opts;
+    return unsupported("alltoall_base");
+  }
+  // inputs[i] goes to rank i; outputs[j] comes from rank j.
+  virtual std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs,
+                                         std::vector<at::Tensor>& inputs,
+                                         const AllToAllOptions& opts = {}) {
+    (void)outputs, (void)inputs, (void)opts;
+    return unsupported("alltoall");
+  }
+  // Point to point: matched by (peer, tag) in call order. These do not take part in the
+  // collectives' order (a send needs no matching call on the other members).
+  virtual std::shared_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+    (void)tensors, (void)dst_rank, (void)tag;
+    return unsupported("send");
+  }
+  virtual std::shared_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+    (void)tensors, (void)src_rank, (void)tag;
+    return unsupported("recv");
+  }
+  // The first matching send from any member; Work::source_rank() says whose.
+  virtual std::shared_ptr<Work> recv_anysource(std::vector<at::Tensor>& tensors, int tag) {
+    (void)tensors, (void)tag;
+    return unsupported("recv_anysource");
+  }
+  virtual std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) {
+    (void)opts;
+    return unsupported("barrier");
+  }
+
+  // Stops the backend: pending work fails with a DistBackendError saying it was shut down, no
+  // callback runs afterwards, threads are joined. Idempotent; the destructor of a backend that
+  // owns threads calls it.
+  virtual void shutdown() {}
+
+ protected:
+  // The timeout an operation runs under: the call's, else the backend's.
+  std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const noexcept {
+    return requested == kUnsetTimeout ? timeout_ : requested;
+  }
+  // Takes the next sequence number (the first call gets 1); backends call it once per call.
+  std::uint64_t next_sequence_number() noexcept {
+    return seq_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  }
+
+ private:
+  std::shared_ptr<Work> unsupported(const char* op) const {
+    throw std::logic_error("Backend " + name() + " does not support " + op);
+  }
+
+  const int rank_;
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+  std::atomic<std::uint64_t> seq_{0};
+};
+
+}  // namespace distrpc::dist
