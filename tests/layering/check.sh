@@ -20,7 +20,7 @@ layer_of() {
     distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
       distrpc/backends.hpp | distrpc/declare.hpp) echo 5 ;;                                         # agent
     # Process groups (distrpc::dist) stand beside the agent, on the store and transport layers.
-    distrpc/dist/*) echo 5 ;;                                                  # dist (beside agent)
+    distrpc/dist.hpp | distrpc/dist/*) echo 5 ;;                               # dist (beside agent)
     distrpc/rref.hpp | distrpc/rref/*) echo 6 ;;                              # refs
     distrpc/nn/*) echo 7 ;;                                                   # modules
     distrpc/distrpc.hpp) echo 9 ;;                                            # everything
