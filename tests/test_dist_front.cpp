@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -150,6 +151,45 @@ class StoreBackend : public dist::Backend {
     ts[0].copy_(take(seq, o.root_rank, ts[0]));
     return done("broadcast", ts, seq);
   }
+  std::shared_ptr<dist::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& ts, const dist::AllreduceCoalescedOptions& o) override {
+    for (at::Tensor& t : ts) {
+      std::vector<at::Tensor> one{t};
+      allreduce(one, {o.op, o.timeout});
+    }
+    return done("allreduce_coalesced", ts, sequence_number());
+  }
+  // Point to point: the k-th message from src to dst with a tag is key "p2p/src/dst/tag/k".
+  std::shared_ptr<dist::Work> send(std::vector<at::Tensor>& ts, int dst, int tag) override {
+    const std::uint64_t seq = next_sequence_number();
+    const at::Tensor c = ts[0].contiguous();
+    const auto* p = static_cast<const std::uint8_t*>(c.data_ptr());
+    store_->set(next_p2p(rank(), dst, tag), distrpc::store::Bytes(p, p + c.nbytes()));
+    return done("send", ts, seq);
+  }
+  std::shared_ptr<dist::Work> recv(std::vector<at::Tensor>& ts, int src, int tag) override {
+    const std::uint64_t seq = next_sequence_number();
+    copy_in(ts[0], store_->get(next_p2p(src, rank(), tag)));
+    return done("recv", ts, seq);
+  }
+  std::shared_ptr<dist::Work> recv_anysource(std::vector<at::Tensor>& ts, int tag) override {
+    const std::uint64_t seq = next_sequence_number();
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    while (std::chrono::steady_clock::now() < deadline) {
+      for (int src = 0; src < size(); ++src) {
+        if (src == rank()) continue;
+        const std::string key = peek_p2p(src, rank(), tag);
+        if (store_->check({key})) {
+          copy_in(ts[0], store_->get(next_p2p(src, rank(), tag)));
+          auto w = std::make_shared<dist::Work>("recv_anysource", static_cast<std::int64_t>(seq));
+          w->finish_recv(ts, src);
+          return w;
+        }
+      }
+      std::this_thread::sleep_for(milliseconds(2));
+    }
+    throw distrpc::DistBackendError("storetest: recv_anysource timed out");
+  }
   std::shared_ptr<dist::Work> barrier(const dist::BarrierOptions&) override {
     const std::uint64_t seq = next_sequence_number();
     const std::string key = "barrier/" + std::to_string(seq);
@@ -167,6 +207,24 @@ class StoreBackend : public dist::Backend {
     const auto* p = static_cast<const std::uint8_t*>(c.data_ptr());
     store_->set(key(seq, rank()), distrpc::store::Bytes(p, p + c.nbytes()));
   }
+  std::string peek_p2p(int src, int dst, int tag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string base =
+        "p2p/" + std::to_string(src) + "/" + std::to_string(dst) + "/" + std::to_string(tag);
+    return base + "/" + std::to_string(p2p_count_[base]);
+  }
+  std::string next_p2p(int src, int dst, int tag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string base =
+        "p2p/" + std::to_string(src) + "/" + std::to_string(dst) + "/" + std::to_string(tag);
+    return base + "/" + std::to_string(p2p_count_[base]++);
+  }
+  static void copy_in(at::Tensor& t, const distrpc::store::Bytes& b) {
+    at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
+    REQUIRE(b.size() == out.nbytes());
+    std::memcpy(out.data_ptr(), b.data(), b.size());
+    t.copy_(out);
+  }
   at::Tensor take(std::uint64_t seq, int r, const at::Tensor& like) {
     distrpc::store::Bytes b = store_->get(key(seq, r));
     at::Tensor out = at::empty_like(like, at::MemoryFormat::Contiguous);
@@ -176,6 +234,8 @@ class StoreBackend : public dist::Backend {
   }
 
   std::shared_ptr<distrpc::store::Store> store_;
+  std::mutex mu_;
+  std::map<std::string, std::uint64_t> p2p_count_;  // messages per (src, dst, tag) so far
 };
 
 void register_test_backends() {
@@ -875,6 +935,44 @@ DISTRPC_MP_TARGET("dist front target: objects, then exit without destroy") {
   dist::broadcast_object_list(objects, 1);
   CHECK(objects == std::vector<std::string>{"foo", "", "bar baz"});
 
+  // all_reduce_coalesced: every tensor reduced (PyTorch's _test_allreduce_coalesced).
+  std::vector<at::Tensor> many{at::ones({10, 10}), at::ones({3}) * (ctx.rank + 1)};
+  dist::all_reduce_coalesced(many, {.op = dist::ReduceOp::SUM});
+  CHECK(same(many[0], at::ones({10, 10}) * 3));
+  CHECK(same(many[1], at::ones({3}) * 6));
+
+  // Point to point around the ring, with tags kept apart, blocking and not.
+  const int next = (ctx.rank + 1) % 3;
+  const int prev = (ctx.rank + 2) % 3;
+  at::Tensor a = at::full({2}, ctx.rank * 1.0f);
+  at::Tensor b = at::full({2}, ctx.rank * 10.0f);
+  dist::send(b, next, {.tag = 7});
+  auto sent = dist::isend(a, next);
+  REQUIRE(sent);
+  CHECK(sent->wait());
+  at::Tensor got_a = at::zeros({2});
+  at::Tensor got_b = at::zeros({2});
+  CHECK(dist::recv(got_a, prev) == prev);  // tag 0 first, though tag 7 was sent first
+  auto pending = dist::irecv(got_b, prev, {.tag = 7});
+  REQUIRE(pending);
+  CHECK(pending->wait());
+  CHECK(same(got_a, at::full({2}, prev * 1.0f)));
+  CHECK(same(got_b, at::full({2}, prev * 10.0f)));
+  // From any source: ranks 1 and 2 send to 0, which learns who sent what.
+  if (ctx.rank == 0) {
+    std::set<int> sources;
+    for (int i = 0; i < 2; ++i) {
+      at::Tensor t = at::zeros({1});
+      const int src = dist::recv(t, std::nullopt, {.tag = 3});
+      CHECK(t.item<float>() == static_cast<float>(src * 100));
+      sources.insert(src);
+    }
+    CHECK(sources == std::set<int>{1, 2});
+  } else {
+    at::Tensor t = at::full({1}, ctx.rank * 100.0f);
+    dist::send(t, 0, {.tag = 3});
+  }
+
   if (ctx.rank != 0) {
     std::this_thread::sleep_for(milliseconds(500));
     auto store = dist::get_default_store();
@@ -927,10 +1025,25 @@ DISTRPC_MP_TARGET("dist front target: init, destroy, init again") {
   dist::all_reduce(u);
   CHECK(same(u, at::full({1}, 2.0f)));
   dist::destroy_process_group();
+
+  // A third time over tcp://host:port, rank and world size in the URL.
+  const std::string port = std::getenv("DISTRPC_TEST_TCP_PORT");
+  dist::init_process_group("storetest",
+                           "tcp://127.0.0.1:" + port + "?rank=" + std::to_string(ctx.rank) +
+                               "&world_size=" + std::to_string(ctx.world),
+                           -1, -1, milliseconds(30000));
+  CHECK(dist::get_rank() == ctx.rank);
+  at::Tensor v = at::full({2}, static_cast<float>(ctx.rank + 1));
+  dist::all_reduce(v, {.op = dist::ReduceOp::PRODUCT});
+  CHECK(same(v, at::full({2}, 2.0f)));
+  dist::destroy_process_group();
 }
 
 TEST_CASE("dist front: init, destroy and init again in two processes") {
-  auto r = run_ranks("dist front target: init, destroy, init again", env_run(2, 60));
+  RunOptions o = env_run(2, 60);
+  o.env.push_back("DISTRPC_TEST_TCP_PORT=" +
+                  std::to_string(distrpc::testing::free_loopback_port()));
+  auto r = run_ranks("dist front target: init, destroy, init again", o);
   INFO(r.report());
   CHECK(r.ok);
 }

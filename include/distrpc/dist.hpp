@@ -868,6 +868,11 @@ inline wire::Message unflatten(const std::uint8_t* data, std::size_t size) {
 
 template <class T>
 std::string encode_object(const T& value) {
+  static_assert(cereal::traits::is_output_serializable<T, wire::OutputArchive>::value &&
+                    cereal::traits::is_input_serializable<T, wire::InputArchive>::value,
+                "all_gather_object / broadcast_object_list: T must be serializable with cereal: "
+                "give it `template <class Archive> void serialize(Archive& ar) { ar(field1, "
+                "field2); }` (tensors, strings, containers and arithmetic types already are)");
   wire::Message m;
   wire::encode(m, value);
   return flatten(m);
