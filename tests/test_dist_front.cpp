@@ -650,6 +650,27 @@ TEST_CASE("dist front: init_process_group's bad input, URLs and environment") {
   }
 }
 
+// For every backend this binary has: a world of one is rank 0 of 1, named by its backend
+// string, and a barrier completes (PyTorch's test_init_process_group_for_all_backends).
+TEST_CASE("dist front: a world of one for every registered backend") {
+  register_test_backends();
+  int tried = 0;
+  for (const char* name : {"distrpc", "gloo", "dummy", "storetest"}) {
+    if (!dist::is_backend_available(name)) continue;
+    CAPTURE(name);
+    DestroyAtEnd guard;
+    dist::init_process_group(name, hash_store(), 0, 1, milliseconds(5000));
+    CHECK(dist::get_rank() == 0);
+    CHECK(dist::get_world_size() == 1);
+    CHECK(dist::get_backend() == name);
+    CHECK(dist::get_default_group()->name() == name);
+    CHECK(dist::barrier());
+    dist::destroy_process_group();
+    ++tried;
+  }
+  CHECK(tried >= 2);
+}
+
 TEST_CASE("dist front: TORCH_DISTRIBUTED_DEBUG and LOCAL_RANK tables (scenario 10)") {
   ScopedEnv debug("TORCH_DISTRIBUTED_DEBUG", nullptr);
   CHECK(dist::debug_level() == dist::DebugLevel::OFF);

@@ -338,8 +338,9 @@ inline std::string resolve_backend(std::string_view backend) {
         "init_process_group: no backend named and no default available: register 'distrpc' "
         "(register_distrpc_backend<Transport>()) or 'gloo', or name a registered backend");
   }
-  // One backend for every device reads as its name, as PyTorch's get_backend() shows it.
-  return out.find(',') == std::string::npos ? out.substr(out.find(':') + 1) : out;
+  // Explicit pairs, so a default backend serves only its default device; a group with one
+  // backend still reads as its name ("distrpc") in ProcessGroup::name() and get_backend().
+  return out;
 }
 
 inline BackendConfig config_of(const std::string& backend, const char* fn) {
