@@ -650,6 +650,23 @@ TEST_CASE("dist front: init_process_group's bad input, URLs and environment") {
   }
 }
 
+TEST_CASE("dist front: init_process_group fails on time when a rank never arrives") {
+  register_test_backends();
+  DestroyAtEnd guard;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string text = error_text<distrpc::DistStoreError>(
+      [] { dist::init_process_group("dummy", hash_store(), 0, 2, milliseconds(300)); });
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(text ==
+        "Timed out initializing process group in store based barrier on rank 0, for key: "
+        "store_based_barrier_key:init (world_size=2, num_workers_joined=1, timeout=300 ms)");
+  CHECK(took >= milliseconds(300));
+  CHECK(took < milliseconds(3000));
+  CHECK_FALSE(dist::is_initialized());  // nothing left behind: init may be called again
+  dist::init_process_group("dummy", hash_store(), 0, 1, milliseconds(1000));
+  CHECK(dist::is_initialized());
+}
+
 // For every backend this binary has: a world of one is rank 0 of 1, named by its backend
 // string, and a barrier completes (PyTorch's test_init_process_group_for_all_backends).
 TEST_CASE("dist front: a world of one for every registered backend") {
