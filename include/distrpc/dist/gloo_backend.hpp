@@ -902,7 +902,9 @@ class GlooBackend : public Backend {
     } catch (...) {
       std::rethrow_exception(detail::as_dist_error(std::current_exception()));
     }
-    auto work = std::make_shared<Work>(op, static_cast<std::int64_t>(next_sequence_number()));
+    // No sequence number: members send and receive different counts, and the group's number
+    // must stay equal on every member (it counts collectives, as PyTorch's does).
+    auto work = std::make_shared<Work>(op, -1);
     auto finished = std::make_shared<std::atomic<bool>>(false);
     auto state = state_;
     const auto limit = timeout();
