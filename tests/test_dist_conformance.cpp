@@ -758,8 +758,13 @@ void run_ranks_for_every_backend(const distrpc::testing::RankContext& ctx) {
 
 }  // namespace
 
-TEST_CASE("backend conformance: every backend lists at least its name") {
-  for (const auto& b : backends_under_test()) CHECK(std::string(b.name).size() > 0);
+TEST_CASE("backend conformance: each listed backend registers under its name") {
+  for (const auto& b : backends_under_test()) {
+    INFO("backend " << b.name);
+    b.register_backend();
+    CHECK(dist::is_backend_available(b.name));
+    CHECK(dist::backend_creator(b.name) != nullptr);
+  }
 }
 
 TEST_CASE("backend conformance: world of one, every collective with src/dst = self") {
