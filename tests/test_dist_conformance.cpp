@@ -262,6 +262,11 @@ void check_refusals(Backend& b) {
   CHECK(error_text<std::invalid_argument>([&] { b.recv(f, b.rank(), 0); }) ==
         "Invalid source rank: source rank should not be the same as the rank of the current "
         "process.");
+  dist::BarrierOptions zero;
+  zero.timeout = std::chrono::milliseconds(0);
+  CHECK(error_text<std::invalid_argument>([&] {
+          b.barrier(zero);
+        }).find("the timeout must be positive, got 0 ms") != std::string::npos);
   // A refused call is not issued: the sequence number is unchanged.
   CHECK(b.sequence_number() == seq);
 }

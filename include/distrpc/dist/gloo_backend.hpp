@@ -24,8 +24,10 @@
 //  - Non-contiguous tensors travel through a contiguous copy; results are copied back into the
 //    caller's tensor before the Work completes.
 //  - Timeouts: the backend's timeout is gloo's context timeout (a collective whose peers do not
-//    come fails after it). A per-call timeout is passed on to c10d (2.x applies it; 1.13 ignores
-//    it) and also enforced here: the Work fails with a DistBackendError when it passes.
+//    come fails after it, on every member). A per-call timeout is enforced here: the caller's Work
+//    fails with a DistBackendError when it passes, while gloo goes on with the operation under the
+//    backend's timeout, so that members whose peers are merely late stay in step (the call is not
+//    handed to c10d: 2.x would abort the operation on this member alone; 1.13 ignores it).
 //  - Errors: c10d's errors (at the call or when the work fails) become DistBackendError with the
 //    same text; bad arguments this adapter detects first are std::invalid_argument.
 //
@@ -256,7 +258,6 @@ class GlooBackend : public Backend {
     auto staged = detail::gloo_stage_move(t);
     c10d::BroadcastOptions c;
     c.rootRank = opts.root_rank;
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> wire{staged.wire};
     return collective(
         "broadcast", opts.timeout, [&] { return pg_->broadcast(wire, c); },
@@ -273,7 +274,6 @@ class GlooBackend : public Backend {
     auto staged = detail::gloo_stage_reduce(t, opts.op);
     c10d::AllreduceOptions c;
     c.reduceOp = detail::gloo_reduce_op(opts.op, t.scalar_type());
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> wire{staged.wire};
     const ReduceOp op = opts.op;
     const int world = size();
@@ -303,7 +303,6 @@ class GlooBackend : public Backend {
     }
     c10d::AllreduceCoalescedOptions c;
     c.reduceOp = detail::gloo_reduce_op(opts.op, tensors[0].scalar_type());
-    c.timeout = opts.timeout;
     const ReduceOp op = opts.op;
     const int world = size();
     std::vector<at::Tensor> users = tensors;
@@ -329,7 +328,6 @@ class GlooBackend : public Backend {
     c10d::ReduceOptions c;
     c.reduceOp = detail::gloo_reduce_op(opts.op, t.scalar_type());
     c.rootRank = opts.root_rank;
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> wire{staged.wire};
     const ReduceOp op = opts.op;
     const int world = size();
@@ -360,7 +358,6 @@ class GlooBackend : public Backend {
     std::vector<std::vector<at::Tensor>> wire_out{wires(staged)};
     std::vector<at::Tensor> wire_in{detail::gloo_stage_move(in).wire};
     c10d::AllgatherOptions c;
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> users = outputs[0];
     return collective(
         "allgather", opts.timeout, [&] { return pg_->allgather(wire_out, wire_in, c); },
@@ -389,7 +386,6 @@ class GlooBackend : public Backend {
     for (int r = 0; r < size(); ++r) wire_out[0].push_back(buffer[r]);
     std::vector<at::Tensor> wire_in{in_wire};
     c10d::AllgatherOptions c;
-    c.timeout = opts.timeout;
     at::Tensor out = output;
     return collective(
         "allgather_into_tensor", opts.timeout, [&] { return pg_->allgather(wire_out, wire_in, c); },
@@ -425,7 +421,6 @@ class GlooBackend : public Backend {
     std::vector<at::Tensor> wire_in{detail::gloo_stage_move(in).wire};
     c10d::GatherOptions c;
     c.rootRank = opts.root_rank;
-    c.timeout = opts.timeout;
     return collective(
         "gather", opts.timeout, [&] { return pg_->gather(wire_out, wire_in, c); },
         [staged, users] {
@@ -458,7 +453,6 @@ class GlooBackend : public Backend {
     std::vector<at::Tensor> wire_out{staged_out.wire};
     c10d::ScatterOptions c;
     c.rootRank = opts.root_rank;
-    c.timeout = opts.timeout;
     at::Tensor user = out;
     return collective(
         "scatter", opts.timeout, [&] { return pg_->scatter(wire_out, wire_in, c); },
@@ -523,7 +517,6 @@ class GlooBackend : public Backend {
     at::Tensor wire_in = detail::gloo_stage_move(input).wire;
     at::Tensor wire_out = staged_out.wire;
     c10d::AllToAllOptions c;
-    c.timeout = opts.timeout;
     at::Tensor user = output;
     return collective(
         "alltoall_base", opts.timeout,
@@ -566,7 +559,6 @@ class GlooBackend : public Backend {
     for (auto s : out_splits) total_out += s;
     at::Tensor wire_out = at::empty({total_out}, wire_in.options());
     c10d::AllToAllOptions c;
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> users = outputs;
     return collective(
         "alltoall", opts.timeout,
@@ -622,7 +614,6 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) override {
     c10d::BarrierOptions c;
-    c.timeout = opts.timeout;
     return collective(
         "barrier", opts.timeout, [&] { return pg_->barrier(c); },
         [] { return std::vector<at::Tensor>{}; });
@@ -834,7 +825,6 @@ class GlooBackend : public Backend {
     if (!staged.copy_back) staged.wire = staged.wire.clone();  // never reduce the caller's input
     c10d::AllreduceOptions c;
     c.reduceOp = detail::gloo_reduce_op(opts.op, output.scalar_type());
-    c.timeout = opts.timeout;
     std::vector<at::Tensor> wire{staged.wire};
     const ReduceOp op = opts.op;
     const int world = size();
