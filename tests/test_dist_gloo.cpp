@@ -1,7 +1,7 @@
-// The gloo spike: libtorch's own c10d::ProcessGroupGloo driven through a distrpc store.
+// The gloo part of test_dist: the c10d store adapter under libtorch's own c10d::ProcessGroupGloo,
+// and what is particular to GlooBackend (registration, construction, shutdown). Its collectives
+// are checked by the backend conformance suite (test_dist_conformance.cpp).
 // Built only when meson finds gloo (gloo_found): libtorch with ProcessGroupGloo and gloo's headers.
-// Runs as its own small binary (tests/meson.build: test_dist_gloo), not inside test_rpc, so the
-// spike costs one translation unit.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <doctest/doctest.h>
@@ -12,9 +12,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "distrpc/dist/backend_config.hpp"
 #include "distrpc/dist/detail/c10d_store_adapter.hpp"
+#include "distrpc/dist/gloo_backend.hpp"
+#include "distrpc/error.hpp"
 #include "distrpc/store/file_store.hpp"
 #include "distrpc/store/hash_store.hpp"
 #include "distrpc/store/tcp_store.hpp"
@@ -32,6 +36,16 @@ std::vector<uint8_t> v(const std::string& s) {
 
 std::string message_of(const c10::Error& e) {
   return e.msg();
+}
+
+template <class E, class F>
+std::string error_text(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<no exception>";
 }
 
 }  // namespace
@@ -214,4 +228,85 @@ DISTRPC_MP_TEST("ProcessGroupGloo over a distrpc FileStore: allreduce", 2, 60) {
   pg->allreduce(t)->wait();
   CHECK(at::equal(t[0], at::tensor({1.0, 21.0})));
   pg->barrier()->wait();
+}
+
+TEST_CASE("register_gloo_backend registers gloo for cpu, once") {
+  distrpc::dist::register_gloo_backend();
+  distrpc::dist::register_gloo_backend();  // a second call is harmless
+  CHECK(distrpc::dist::is_backend_available("gloo"));
+  CHECK(distrpc::dist::is_backend_available("GLOO"));
+  auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(10));
+  auto backend = distrpc::dist::backend_creator("gloo")(store, 0, 1, std::chrono::seconds(10));
+  REQUIRE(backend != nullptr);
+  CHECK(backend->name() == "gloo");
+  CHECK(dynamic_cast<distrpc::dist::GlooBackend*>(backend.get()) != nullptr);
+  CHECK(backend->timeout() == std::chrono::seconds(10));
+  CHECK(backend->sequence_number() == 0);
+}
+
+TEST_CASE("GlooBackend refuses bad construction arguments, naming them") {
+  using distrpc::dist::GlooBackend;
+  auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(10));
+  CHECK(error_text<std::invalid_argument>([] {
+          GlooBackend b(nullptr, 0, 1, std::chrono::seconds(1));
+        }) == "GlooBackend: the store is null");
+  CHECK(error_text<std::invalid_argument>([&] {
+          GlooBackend b(store, 2, 2, std::chrono::seconds(1));
+        }) == "Backend: rank 2 is outside the group of size 2");
+  CHECK(error_text<std::invalid_argument>([&] {
+          GlooBackend b(store, 0, 1, std::chrono::milliseconds(0));
+        }) == "Backend: the timeout must be positive, got 0 ms");
+  distrpc::dist::GlooBackendOptions opts;
+  opts.threads = 0;
+  CHECK(error_text<std::invalid_argument>([&] {
+          GlooBackend b(store, 0, 1, std::chrono::seconds(1), opts);
+        }) == "GlooBackend: threads must be at least 1, got 0");
+}
+
+// No hang: a peer that never comes fails the construction after the timeout, as DistBackendError
+// with the store's timeout text.
+TEST_CASE("GlooBackend whose peer never arrives fails with DistBackendError after its timeout") {
+  auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(30));
+  distrpc::dist::GlooBackendOptions opts;
+  opts.hostname = "127.0.0.1";
+  const auto start = std::chrono::steady_clock::now();
+  const std::string text = error_text<distrpc::DistBackendError>(
+      [&] { distrpc::dist::GlooBackend b(store, 0, 2, std::chrono::milliseconds(500), opts); });
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  INFO("error: " << text);
+  CHECK(text.find("Timeout after 500 ms") != std::string::npos);
+  CHECK(elapsed >= std::chrono::milliseconds(500));
+  CHECK(elapsed < std::chrono::seconds(10));
+}
+
+// Two members in one process (threads), so that rank 0 can hold a receive rank 1 never answers.
+TEST_CASE("GlooBackend shutdown fails pending work at once and refuses later calls") {
+  using distrpc::dist::GlooBackend;
+  auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(30));
+  distrpc::dist::GlooBackendOptions opts;
+  opts.hostname = "127.0.0.1";
+  std::shared_ptr<GlooBackend> b0;
+  std::shared_ptr<GlooBackend> b1;
+  std::thread peer(
+      [&] { b1 = std::make_shared<GlooBackend>(store, 1, 2, std::chrono::seconds(20), opts); });
+  b0 = std::make_shared<GlooBackend>(store, 0, 2, std::chrono::seconds(20), opts);
+  peer.join();
+  REQUIRE(b1 != nullptr);
+
+  std::vector<at::Tensor> buf{at::zeros({3})};
+  auto pending = b0->recv(buf, 1, 42);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK_FALSE(pending->is_completed());
+  const auto start = std::chrono::steady_clock::now();
+  b0->shutdown();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK(pending->is_completed());
+  CHECK(error_text<distrpc::DistBackendError>([&] { pending->wait(); }) ==
+        "Backend gloo was shut down");
+  CHECK(at::equal(buf[0], at::zeros({3})));  // nothing landed
+  std::vector<at::Tensor> t{at::ones({2})};
+  CHECK(error_text<distrpc::DistBackendError>([&] { b0->allreduce(t); }) ==
+        "GlooBackend allreduce: the backend was shut down");
+  b0->shutdown();  // idempotent
+  b1->shutdown();
 }
