@@ -149,6 +149,12 @@ template <transport::Transport T>
 class DistrpcBackend final : public Backend {
   using Clock = std::chrono::steady_clock;
   using Header = detail::DistrpcHeader;
+  // How long a wait goes on after a peer's connection broke before it fails. A member has two
+  // connections with each peer (one each way), read by different I/O threads: the break of one can
+  // be reported before the last messages on the other are read (a peer that finished and shut down
+  // sent them before closing). Waiting this long lets them land first, and lets the peer lost first
+  // be the one named when a loss makes others leave too.
+  static constexpr std::chrono::milliseconds kLossGrace{250};
 
  public:
   // Meets the other members through `store` (see the top of this file); throws DistBackendError
@@ -171,6 +177,7 @@ class DistrpcBackend final : public Backend {
     // Chunk boundaries must fall between elements of every dtype (16 bytes at most).
     options_.chunk_bytes = (options_.chunk_bytes + 63) / 64 * 64;
     lost_.assign(static_cast<std::size_t>(size), std::string());
+    lost_at_.assign(static_cast<std::size_t>(size), Clock::time_point{});
     transport::TransportOptions to;
     to.self_id = rank;
     to.self_name = "rank" + std::to_string(rank);
@@ -924,16 +931,27 @@ class DistrpcBackend final : public Backend {
         throw DistBackendError("DistrpcBackend: " + o.what() +
                                " failed: the backend was shut down");
       }
+      // The member lost first is the one to name: the others may only be leaving because of it.
+      int first = -1;
       for (int q = 0; q < size(); ++q) {
-        const std::string& why = lost_[static_cast<std::size_t>(q)];
-        if (!why.empty()) {
-          throw DistBackendError("DistrpcBackend: " + o.what() + " failed on rank " +
-                                 std::to_string(rank()) + ": connection to rank " +
-                                 std::to_string(q) + " lost (" + why + ")");
+        const auto qi = static_cast<std::size_t>(q);
+        if (!lost_[qi].empty() &&
+            (first < 0 || lost_at_[qi] < lost_at_[static_cast<std::size_t>(first)])) {
+          first = q;
         }
       }
-      if (cv_.wait_until(lk, o.deadline) == std::cv_status::timeout &&
-          box_.find(key) == box_.end() && !stopping_ && Clock::now() >= o.deadline) {
+      Clock::time_point until = o.deadline;
+      if (first >= 0) {
+        const auto fi = static_cast<std::size_t>(first);
+        if (Clock::now() >= lost_at_[fi] + kLossGrace) {
+          throw DistBackendError("DistrpcBackend: " + o.what() + " failed on rank " +
+                                 std::to_string(rank()) + ": connection to rank " +
+                                 std::to_string(first) + " lost (" + lost_[fi] + ")");
+        }
+        until = std::min(until, lost_at_[fi] + kLossGrace);
+      }
+      if (cv_.wait_until(lk, until) == std::cv_status::timeout && box_.find(key) == box_.end() &&
+          !stopping_ && Clock::now() >= o.deadline) {
         throw DistBackendError(timeout_text(o, src));
       }
     }
@@ -1267,7 +1285,10 @@ class DistrpcBackend final : public Backend {
       std::lock_guard<std::mutex> a(mu_);
       std::lock_guard<std::mutex> b(p2p_mu_);
       std::string& slot = lost_[static_cast<std::size_t>(peer)];
-      if (slot.empty()) slot = why.empty() ? "connection closed" : why;
+      if (slot.empty()) {
+        slot = why.empty() ? "connection closed" : why;
+        lost_at_[static_cast<std::size_t>(peer)] = Clock::now();
+      }
     }
     cv_.notify_all();
     p2p_cv_.notify_all();
@@ -1343,7 +1364,12 @@ class DistrpcBackend final : public Backend {
         std::unique_lock<std::mutex> lk(p2p_mu_);
         const auto next_deadline = [&] {
           Clock::time_point d = Clock::time_point::max();
-          for (const P2PRecv& r : p2p_recvs_) d = std::min(d, r.deadline);
+          for (const P2PRecv& r : p2p_recvs_) {
+            d = std::min(d, r.deadline);
+            if (r.src >= 0 && !lost_[static_cast<std::size_t>(r.src)].empty()) {
+              d = std::min(d, lost_at_[static_cast<std::size_t>(r.src)] + kLossGrace);
+            }
+          }
           return d;
         };
         const auto ready = [&] {
@@ -1371,7 +1397,7 @@ class DistrpcBackend final : public Backend {
             failed.emplace_back(it->work, "DistrpcBackend: " + recv_what(*it) +
                                               " failed: the backend was shut down");
             it = p2p_recvs_.erase(it);
-          } else if (it->src >= 0 && !lost_[static_cast<std::size_t>(it->src)].empty()) {
+          } else if (it->src >= 0 && lost_for_good(it->src, now)) {
             failed.emplace_back(it->work, "DistrpcBackend: " + recv_what(*it) +
                                               " failed: connection to rank " +
                                               std::to_string(it->src) + " lost (" +
@@ -1415,10 +1441,16 @@ class DistrpcBackend final : public Backend {
     }
   }
 
+  // With p2p_mu_ held: peer's connection broke at least kLossGrace ago.
+  bool lost_for_good(int peer, Clock::time_point now) const {
+    const auto pi = static_cast<std::size_t>(peer);
+    return !lost_[pi].empty() && now >= lost_at_[pi] + kLossGrace;
+  }
+
   // With p2p_mu_ held: something for the loop to do now.
   bool has_match_or_failure() const {
     for (const P2PRecv& r : p2p_recvs_) {
-      if (r.src >= 0 && !lost_[static_cast<std::size_t>(r.src)].empty()) return true;
+      if (r.src >= 0 && lost_for_good(r.src, Clock::now())) return true;
       for (const P2PArrived& a : p2p_box_) {
         if ((r.src < 0 || a.src == r.src) && a.tag == r.tag) return true;
       }
@@ -1460,6 +1492,7 @@ class DistrpcBackend final : public Backend {
   std::map<Key, Arrived> box_;
   std::map<std::uint64_t, std::set<int>> heard_;  // collective -> ranks a message came from
   std::string broken_;                            // why later collectives fail at once
+  std::vector<Clock::time_point> lost_at_;        // per rank: when on_peer_lost said so
   std::vector<std::string> lost_;                 // per rank: why its connection broke (also read
                                                   // under p2p_mu_; written under both)
   bool stopping_ = false;                         // written under both mutexes
