@@ -78,6 +78,10 @@ struct DistrpcBackendOptions {
   // Large transfers travel in chunks of at most this many bytes, so reducing one chunk overlaps
   // with the transfer of the next and no message grows with the tensor (rounded up to 64 bytes).
   std::int64_t chunk_bytes = 2 * 1024 * 1024;
+  // Before sleeping for a message, the waiting thread reads the transport itself for up to this
+  // long where the policy can (Transport's drive()): a message then wakes no other thread, which
+  // is most of a small collective's latency. 0: always sleep.
+  std::chrono::microseconds wait_spin{50};
 };
 
 namespace detail {
@@ -169,6 +173,10 @@ class DistrpcBackend final : public Backend {
     if (options_.small_bytes < 0) {
       throw std::invalid_argument("DistrpcBackend: small_bytes must not be negative, got " +
                                   std::to_string(options_.small_bytes));
+    }
+    if (options_.wait_spin.count() < 0) {
+      throw std::invalid_argument("DistrpcBackend: wait_spin must not be negative, got " +
+                                  std::to_string(options_.wait_spin.count()) + " us");
     }
     if (options_.chunk_bytes <= 0) {
       throw std::invalid_argument("DistrpcBackend: chunk_bytes must be positive, got " +
@@ -603,6 +611,7 @@ class DistrpcBackend final : public Backend {
       std::lock_guard<std::mutex> a(mu_);
       std::lock_guard<std::mutex> b(p2p_mu_);
       stopping_ = true;
+      stopping_flag_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
     p2p_cv_.notify_all();
@@ -941,6 +950,21 @@ class DistrpcBackend final : public Backend {
         }
       }
       Clock::time_point until = o.deadline;
+      if constexpr (transport::has_drive<typename T::Context>) {
+        if (options_.wait_spin.count() > 0 && first < 0) {
+          // Read on this thread for a while (the lock released: on_message takes it).
+          const std::uint64_t seen = arrivals_.load(std::memory_order_acquire);
+          lk.unlock();
+          ctx_->drive(
+              [&] {
+                return arrivals_.load(std::memory_order_acquire) != seen ||
+                       stopping_flag_.load(std::memory_order_acquire);
+              },
+              std::min(o.deadline, Clock::now() + options_.wait_spin));
+          lk.lock();
+          if (box_.count(key) != 0) continue;
+        }
+      }
       if (first >= 0) {
         const auto fi = static_cast<std::size_t>(first);
         if (Clock::now() >= lost_at_[fi] + kLossGrace) {
@@ -1107,37 +1131,42 @@ class DistrpcBackend final : public Backend {
     };
     const auto mod = [n](int x) { return ((x % n) + n) % n; };
     const auto u32 = [](std::int64_t v) { return static_cast<std::uint32_t>(v); };
-    // Every segment has the same number of chunks up to one element's difference, so indexing by
-    // the segment being received keeps both sides in step.
-    const std::uint32_t ag0 = u32(n - 1);
-    for (int s = 0; s < n - 1; ++s) {
-      const int ci = mod(r - s - 1);
-      const int own = mod(r - s);
-      for (std::int64_t j = 0; j < std::max(subs(ci), subs(own)); ++j) {
-        if (s == 0 && j < subs(own)) {
-          send_raw(o, next, 0, u32(j), region, detail::byte_view(sub(own, j)));
-        }
-        if (j >= subs(ci)) continue;
-        at::Tensor acc = sub(ci, j);
-        Arrived a = take_checked(o, prev, u32(s), u32(j), region, acc.numel() * esize);
-        reduce_into(acc, detail::typed_view(a.bytes, acc.scalar_type()), combine);
-        a = Arrived{};  // release the received buffer (its shared segment) at once
-        if (s < n - 2) {
-          send_raw(o, next, u32(s + 1), u32(j), region, detail::byte_view(acc));
+    // The 2(n-1) stages a chunk column goes through: stage k < n-1 is reduce-scatter step k (this
+    // member adds the partial sum of segment r-k-1 from its predecessor and passes it on), stage
+    // n-1+s is all-gather step s (it stores the finished segment r-s and passes it on). The
+    // message feeding stage k is step k, chunk c. Both sides of a message work on the same
+    // segment, so they agree on its chunk count.
+    const int stages = 2 * (n - 1);
+    const auto segment_of = [&](int k) {
+      return k < n - 1 ? mod(r - k - 1) : mod(r - (k - n + 1));
+    };
+    std::int64_t columns = 0;
+    for (int i = 0; i < n; ++i) columns = std::max(columns, subs(i));
+    // Skewed schedule: at time t, stage k works on column t - k, latest stage first. Stage k's
+    // input was produced by the predecessor at its time t - 1 (stage 0's: sent at the start of its
+    // time t), so no member waits on one that waits on it, and each connection carries only about
+    // one message per stage at a time: receive buffers (shared-memory segments) are released as
+    // fast as they come, and reused rather than made anew. Step-major order (all of reduce-scatter,
+    // then all of all-gather) would leave every all-gather chunk waiting in the mailbox.
+    for (std::int64_t t = 0; t < columns + stages - 1; ++t) {
+      if (t < subs(r)) send_raw(o, next, 0, u32(t), region, detail::byte_view(sub(r, t)));
+      for (int k = static_cast<int>(std::min<std::int64_t>(stages - 1, t)); k >= 0; --k) {
+        const std::int64_t c = t - k;
+        const int seg = segment_of(k);
+        if (c >= subs(seg)) continue;
+        at::Tensor part = sub(seg, c);
+        Arrived a = take_checked(o, prev, u32(k), u32(c), region, part.numel() * esize);
+        if (k < n - 1) {
+          reduce_into(part, detail::typed_view(a.bytes, part.scalar_type()), combine);
+          a = Arrived{};  // release the received buffer (its shared segment) at once
+          // After the last reduce-scatter step this member owns the finished chunk.
+          if (k == n - 2) finish_reduction(part, op, n);
+          send_raw(o, next, u32(k + 1), u32(c), region, detail::byte_view(part));
         } else {
-          finish_reduction(acc, op, n);  // chunk ci is now complete: this member owns it
-          send_raw(o, next, ag0, u32(j), region, detail::byte_view(acc));
+          part.copy_(detail::typed_view(a.bytes, part.scalar_type()));
+          // Forward what arrived as it is: no copy of our own on the way.
+          if (k < stages - 1) send_raw(o, next, u32(k + 1), u32(c), region, a.bytes);
         }
-      }
-    }
-    for (int s = 0; s < n - 1; ++s) {
-      const int ci = mod(r - s);
-      for (std::int64_t j = 0; j < subs(ci); ++j) {
-        at::Tensor dst = sub(ci, j);
-        Arrived a = take_checked(o, prev, ag0 + u32(s), u32(j), region, dst.numel() * esize);
-        dst.copy_(detail::typed_view(a.bytes, dst.scalar_type()));
-        // Forward what arrived as it is: no copy of our own on the way.
-        if (s < n - 2) send_raw(o, next, ag0 + u32(s + 1), u32(j), region, a.bytes);
       }
     }
   }
@@ -1275,6 +1304,7 @@ class DistrpcBackend final : public Backend {
         heard_[h.coll].insert(peer);
       }
       box_.emplace(Key{peer, h.coll, h.step, h.chunk}, Arrived{std::move(h), std::move(bytes)});
+      arrivals_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -1496,6 +1526,8 @@ class DistrpcBackend final : public Backend {
   std::vector<std::string> lost_;                 // per rank: why its connection broke (also read
                                                   // under p2p_mu_; written under both)
   bool stopping_ = false;                         // written under both mutexes
+  std::atomic<bool> stopping_flag_{false};        // the same, for drive()'s predicate
+  std::atomic<std::uint64_t> arrivals_{0};        // messages filed: drive()'s predicate
 
   // Point to point, under p2p_mu_.
   std::mutex p2p_mu_;
