@@ -1,0 +1,627 @@
+// The "distrpc" collective backend (dist/distrpc_backend.hpp): every collective against values
+// computed locally, on Tcp, Shm and Auto<Shm, Tcp> at world 2 and 4 with both algorithms (direct
+// exchange and the chunked ring), point to point, a member killed with SIGKILL, a member that skips
+// a collective (timeout), TORCH_DISTRIBUTED_DEBUG=DETAIL mismatches, size mismatches without it,
+// and the bad-input paths.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "distrpc/dist/distrpc_backend.hpp"
+#include "distrpc/store/file_store.hpp"
+#include "distrpc/store/hash_store.hpp"
+#include "distrpc/transport/auto.hpp"
+#include "distrpc/transport/shm.hpp"
+#include "distrpc/transport/tcp.hpp"
+#include "multiprocess.hpp"
+
+using namespace std::chrono_literals;
+using distrpc::DistBackendError;
+using distrpc::dist::AllreduceOptions;
+using distrpc::dist::Backend;
+using distrpc::dist::DistrpcBackend;
+using distrpc::dist::DistrpcBackendOptions;
+using distrpc::dist::ReduceOp;
+using distrpc::dist::Work;
+using distrpc::testing::RankContext;
+using distrpc::testing::RunOptions;
+using distrpc::transport::Auto;
+using distrpc::transport::Shm;
+using distrpc::transport::Tcp;
+using Clock = std::chrono::steady_clock;
+
+namespace distrpc_backend_test {
+
+template <class T>
+std::shared_ptr<DistrpcBackend<T>> make_backend(const RankContext& ctx,
+                                                std::chrono::milliseconds timeout = 60s,
+                                                DistrpcBackendOptions o = {},
+                                                const std::string& store_name = "store") {
+  auto store = std::make_shared<distrpc::store::FileStore>(ctx.dir + "/" + store_name, ctx.world);
+  return std::make_shared<DistrpcBackend<T>>(store, ctx.rank, ctx.world, timeout, o);
+}
+
+// Rank q's contribution: integral values, so float sums are exact and comparable with equal().
+at::Tensor input_of(int q, std::int64_t n, at::ScalarType dtype = at::kFloat) {
+  return (at::arange(n, at::kDouble).remainder(1000) * (q + 1) + q).to(dtype);
+}
+
+std::string error_of(const std::shared_ptr<Work>& w) {
+  try {
+    w->wait();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+long long ms_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+}
+
+void check_allreduce(Backend& b, std::int64_t n, const ReduceOp& op, at::ScalarType dtype) {
+  const int w = b.size();
+  std::vector<at::Tensor> t{input_of(b.rank(), n, dtype)};
+  AllreduceOptions o;
+  o.op = op;
+  REQUIRE(b.allreduce(t, o)->wait());
+  at::Tensor expect = input_of(0, n, at::kDouble);
+  for (int q = 1; q < w; ++q) {
+    const at::Tensor x = input_of(q, n, at::kDouble);
+    switch (op.kind()) {
+      case ReduceOp::MAX:
+        expect = at::maximum(expect, x);
+        break;
+      case ReduceOp::MIN:
+        expect = at::minimum(expect, x);
+        break;
+      default:
+        expect = expect + x;
+    }
+  }
+  if (op.kind() == ReduceOp::AVG) expect = expect / w;
+  if (op.kind() == ReduceOp::PREMUL_SUM) expect = expect * op.scalar_factor();
+  CHECK_MESSAGE(at::allclose(t[0].to(at::kDouble), expect),
+                "allreduce of " << n << " elements, " << op.describe());
+}
+
+// Every collective once, against values computed here.
+template <class T>
+void run_suite(const RankContext& ctx, DistrpcBackendOptions opts) {
+  auto b = make_backend<T>(ctx, 60s, opts);
+  const int r = ctx.rank;
+  const int w = ctx.world;
+  CHECK(b->name() == "distrpc");
+  CHECK(b->sequence_number() == 0);
+
+  // allreduce: small (direct exchange) and large (ring), odd counts not divisible by the world.
+  check_allreduce(*b, 4, ReduceOp::SUM, at::kFloat);
+  check_allreduce(*b, 1, ReduceOp::MAX, at::kFloat);
+  check_allreduce(*b, 3, ReduceOp::SUM, at::kLong);  // fewer elements than members at world 4
+  check_allreduce(*b, 3 * 1024 * 1024 / 4, ReduceOp::SUM, at::kFloat);  // 3 MiB
+  check_allreduce(*b, 786433, ReduceOp::SUM, at::kFloat);
+  check_allreduce(*b, 786433, ReduceOp::MIN, at::kDouble);
+  check_allreduce(*b, 100003, ReduceOp::AVG, at::kDouble);
+  check_allreduce(*b, 100003, distrpc::dist::make_premul_sum(0.5), at::kDouble);
+  check_allreduce(*b, 7, distrpc::dist::make_premul_sum(2.0), at::kDouble);
+
+  // A non-contiguous tensor is reduced in place through a copy.
+  {
+    at::Tensor base = input_of(r, 2 * 50000).view({50000, 2});
+    std::vector<at::Tensor> t{base.t()};  // shape [2, 50000], not contiguous
+    REQUIRE_FALSE(t[0].is_contiguous());
+    REQUIRE(b->allreduce(t)->wait());
+    at::Tensor expect = at::zeros({50000, 2});
+    for (int q = 0; q < w; ++q) expect += input_of(q, 2 * 50000).view({50000, 2});
+    CHECK(at::equal(base, expect));
+  }
+
+  // A 0-element tensor completes.
+  {
+    std::vector<at::Tensor> t{at::empty({0})};
+    CHECK(b->allreduce(t)->wait());
+    CHECK(t[0].numel() == 0);
+  }
+
+  // allreduce_coalesced: two tensors, one exchange.
+  {
+    std::vector<at::Tensor> ts{at::ones({10, 10}), at::full({3}, double(r))};
+    REQUIRE(b->allreduce_coalesced(ts)->wait());
+    CHECK(at::equal(ts[0], at::full({10, 10}, double(w))));
+    CHECK(at::equal(ts[1], at::full({3}, double(w * (w - 1) / 2))));
+  }
+
+  // broadcast from the last rank: small, bool, and large (a chain beyond two members).
+  for (std::int64_t n : {std::int64_t{5}, std::int64_t{1000003}}) {
+    const int root = w - 1;
+    std::vector<at::Tensor> t{r == root ? input_of(root, n) : at::zeros({n})};
+    distrpc::dist::BroadcastOptions o;
+    o.root_rank = root;
+    REQUIRE(b->broadcast(t, o)->wait());
+    CHECK_MESSAGE(at::equal(t[0], input_of(root, n)), "broadcast of " << n);
+  }
+  {
+    const at::Tensor pattern = at::tensor({1, 0, 0, 1}, at::kInt).to(at::kBool);
+    std::vector<at::Tensor> t{r == 0 ? pattern.clone() : at::zeros({4}, at::kBool)};
+    REQUIRE(b->broadcast(t)->wait());
+    CHECK(at::equal(t[0], pattern));
+  }
+
+  // allgather and allgather_into_tensor.
+  {
+    std::vector<at::Tensor> in{input_of(r, 1001)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int q = 0; q < w; ++q) out[0].push_back(at::zeros({1001}));
+    REQUIRE(b->allgather(out, in)->wait());
+    for (int q = 0; q < w; ++q)
+      CHECK(at::equal(out[0][static_cast<std::size_t>(q)], input_of(q, 1001)));
+
+    at::Tensor single = input_of(r, 300000).view({3, 100000});
+    at::Tensor all = at::zeros({3 * w, 100000});
+    REQUIRE(b->allgather_into_tensor(all, single)->wait());
+    for (int q = 0; q < w; ++q) {
+      CHECK(at::equal(all.narrow(0, 3 * q, 3), input_of(q, 300000).view({3, 100000})));
+    }
+  }
+
+  // reduce_scatter (list) and reduce_scatter_tensor.
+  {
+    std::vector<std::vector<at::Tensor>> in(1);
+    for (int q = 0; q < w; ++q) in[0].push_back(input_of(r, 17) * (q + 1));
+    std::vector<at::Tensor> out{at::zeros({17})};
+    REQUIRE(b->reduce_scatter(out, in)->wait());
+    at::Tensor expect = at::zeros({17});
+    for (int q = 0; q < w; ++q) expect += input_of(q, 17) * (r + 1);
+    CHECK(at::equal(out[0], expect));
+
+    at::Tensor big = input_of(r, 65537 * w);
+    at::Tensor mine = at::zeros({65537});
+    distrpc::dist::ReduceScatterOptions o;
+    o.op = ReduceOp::MAX;
+    REQUIRE(b->reduce_scatter_tensor(mine, big, o)->wait());
+    at::Tensor e = input_of(0, 65537 * w);
+    for (int q = 1; q < w; ++q) e = at::maximum(e, input_of(q, 65537 * w));
+    CHECK(at::equal(mine, e.narrow(0, 65537 * r, 65537)));
+  }
+
+  // alltoall_base with uneven splits: rank i sends (i + j + 1) rows of 3 to rank j, filled with
+  // 100 * i + j.
+  {
+    std::vector<std::int64_t> in_split;
+    std::vector<std::int64_t> out_split;
+    std::vector<at::Tensor> in_parts;
+    std::vector<at::Tensor> expect_parts;
+    for (int j = 0; j < w; ++j) {
+      in_split.push_back(r + j + 1);
+      out_split.push_back(j + r + 1);
+      in_parts.push_back(at::full({r + j + 1, 3}, double(100 * r + j)));
+      expect_parts.push_back(at::full({j + r + 1, 3}, double(100 * j + r)));
+    }
+    at::Tensor in = at::cat(in_parts);
+    at::Tensor expect = at::cat(expect_parts);
+    at::Tensor out = at::zeros_like(expect);
+    REQUIRE(b->alltoall_base(out, in, out_split, in_split)->wait());
+    CHECK(at::equal(out, expect));
+
+    std::vector<at::Tensor> ins;
+    std::vector<at::Tensor> outs;
+    for (int j = 0; j < w; ++j) {
+      ins.push_back(at::full({2}, double(10 * r + j)));
+      outs.push_back(at::zeros({2}));
+    }
+    REQUIRE(b->alltoall(outs, ins)->wait());
+    for (int j = 0; j < w; ++j)
+      CHECK(at::equal(outs[static_cast<std::size_t>(j)], at::full({2}, double(10 * j + r))));
+  }
+
+  // reduce, gather and scatter with root 1.
+  {
+    std::vector<at::Tensor> t{input_of(r, 20000)};
+    distrpc::dist::ReduceOptions ro;
+    ro.root_rank = 1;
+    REQUIRE(b->reduce(t, ro)->wait());
+    if (r == 1) {
+      at::Tensor e = at::zeros({20000});
+      for (int q = 0; q < w; ++q) e += input_of(q, 20000);
+      CHECK(at::equal(t[0], e));
+    }
+
+    std::vector<at::Tensor> in{input_of(r, 9)};
+    std::vector<std::vector<at::Tensor>> out;
+    if (r == 1) {
+      out.resize(1);
+      for (int q = 0; q < w; ++q) out[0].push_back(at::zeros({9}));
+    }
+    distrpc::dist::GatherOptions go;
+    go.root_rank = 1;
+    REQUIRE(b->gather(out, in, go)->wait());
+    if (r == 1) {
+      for (int q = 0; q < w; ++q)
+        CHECK(at::equal(out[0][static_cast<std::size_t>(q)], input_of(q, 9)));
+    }
+
+    std::vector<at::Tensor> mine{at::zeros({9})};
+    std::vector<std::vector<at::Tensor>> parts;
+    if (r == 1) {
+      parts.resize(1);
+      for (int q = 0; q < w; ++q) parts[0].push_back(input_of(q, 9) * 3);
+    }
+    distrpc::dist::ScatterOptions so;
+    so.root_rank = 1;
+    REQUIRE(b->scatter(mine, parts, so)->wait());
+    CHECK(at::equal(mine[0], input_of(r, 9) * 3));
+  }
+
+  // Point to point: a ring of sends with two tags in flight, received in the order sent, and
+  // recv_anysource naming the sender.
+  {
+    const int next = (r + 1) % w;
+    const int prev = (r - 1 + w) % w;
+    std::vector<at::Tensor> a{at::full({4}, double(r))};
+    std::vector<at::Tensor> a2{at::full({4}, double(r + 50))};
+    std::vector<at::Tensor> c{at::full({2}, double(r + 100))};
+    auto s1 = b->send(a, next, 7);
+    auto s2 = b->send(a2, next, 7);
+    auto s3 = b->send(c, next, 8);
+    std::vector<at::Tensor> ra{at::zeros({4})};
+    std::vector<at::Tensor> ra2{at::zeros({4})};
+    std::vector<at::Tensor> rc{at::zeros({2})};
+    auto w3 = b->recv(rc, prev, 8);  // posted first, matched by tag
+    auto w1 = b->recv(ra, prev, 7);
+    auto w2 = b->recv(ra2, prev, 7);
+    CHECK(s1->wait());
+    CHECK(s2->wait());
+    CHECK(s3->wait());
+    CHECK(w1->wait());
+    CHECK(w2->wait());
+    CHECK(w3->wait());
+    CHECK(at::equal(ra[0], at::full({4}, double(prev))));
+    CHECK(at::equal(ra2[0], at::full({4}, double(prev + 50))));
+    CHECK(at::equal(rc[0], at::full({2}, double(prev + 100))));
+    CHECK(w1->source_rank() == prev);
+
+    // Everyone but rank 0 sends to rank 0, which receives from any source.
+    if (r == 0) {
+      std::set<int> from;
+      for (int k = 1; k < w; ++k) {
+        std::vector<at::Tensor> x{at::zeros({1})};
+        auto rw = b->recv_anysource(x, 3);
+        REQUIRE(rw->wait());
+        from.insert(rw->source_rank());
+        CHECK(x[0].item<float>() == float(rw->source_rank() * 11));
+      }
+      CHECK(from.size() == static_cast<std::size_t>(w - 1));
+    } else {
+      std::vector<at::Tensor> x{at::full({1}, double(r * 11))};
+      CHECK(b->send(x, 0, 3)->wait());
+    }
+  }
+
+  REQUIRE(b->barrier()->wait());
+  CHECK(b->sequence_number() > 20);
+  b->shutdown();
+}
+
+}  // namespace distrpc_backend_test
+
+using namespace distrpc_backend_test;
+
+namespace {
+// Small chunks and no direct path: the ring and the chain run with many chunks per segment.
+DistrpcBackendOptions many_chunks() {
+  DistrpcBackendOptions o;
+  o.small_bytes = 0;
+  o.chunk_bytes = 64 * 1024;
+  return o;
+}
+}  // namespace
+
+DISTRPC_MP_TEST("distrpc backend: every collective on tcp at world 2", 2, 120) {
+  run_suite<Tcp>(ctx, {});
+}
+DISTRPC_MP_TEST("distrpc backend: every collective on tcp at world 4", 4, 180) {
+  run_suite<Tcp>(ctx, {});
+}
+DISTRPC_MP_TEST("distrpc backend: every collective on shm at world 2", 2, 120) {
+  run_suite<Shm>(ctx, {});
+}
+DISTRPC_MP_TEST("distrpc backend: every collective on shm at world 4 in small chunks", 4, 180) {
+  run_suite<Shm>(ctx, many_chunks());
+}
+DISTRPC_MP_TEST("distrpc backend: every collective on auto<shm tcp> at world 4", 4, 180) {
+  run_suite<Auto<Shm, Tcp>>(ctx, {});
+}
+DISTRPC_MP_TEST("distrpc backend: every collective on tcp at world 3 in small chunks", 3, 180) {
+  run_suite<Tcp>(ctx, many_chunks());
+}
+
+// 64 MiB at world 2 on shared memory: the ring with its default chunks.
+DISTRPC_MP_TEST("distrpc backend: 64 MiB allreduce on shm at world 2", 2, 120) {
+  auto b = make_backend<Shm>(ctx);
+  const std::int64_t n = 16 * 1024 * 1024;
+  std::vector<at::Tensor> t{at::full({n}, double(ctx.rank + 1))};
+  t[0][n - 1] = 10.0 * ctx.rank;
+  REQUIRE(b->allreduce(t)->wait());
+  CHECK(t[0][0].item<float>() == 3.0f);
+  CHECK(t[0][n / 2].item<float>() == 3.0f);
+  CHECK(t[0][n - 1].item<float>() == 10.0f);
+  at::Tensor expect = at::full({n}, 3.0);
+  expect[n - 1] = 10.0;
+  CHECK(at::equal(t[0], expect));
+}
+
+// A member that skips a collective: the other's fails with "Timeout", the operation, its sequence
+// number and the silent rank; later collectives fail at once, saying why.
+DISTRPC_MP_TEST(
+    "distrpc backend: a timeout names the op and its sequence number and the silent rank", 2, 60) {
+  auto b = make_backend<Tcp>(ctx, 60s);
+  std::vector<at::Tensor> t{at::ones({4})};
+  REQUIRE(b->allreduce(t)->wait());  // sequence number 1
+  if (ctx.rank == 0) {
+    AllreduceOptions o;
+    o.timeout = 500ms;
+    const auto t0 = Clock::now();
+    const std::string err = error_of(b->allreduce(t, o));  // sequence number 2
+    const long long took = ms_since(t0);
+    MESSAGE("rank 0: " << err << " after " << took << " ms");
+    CHECK(contains(err, "Timeout"));
+    CHECK(contains(err, "allreduce (sequence number 2)"));
+    CHECK(contains(err, "nothing heard for it from rank(s) 1"));
+    CHECK(took >= 450);
+    CHECK(took < 3000);
+    const auto t1 = Clock::now();
+    const std::string later = error_of(b->barrier());
+    CHECK(contains(later, "barrier (sequence number 3) was not run: the group is unusable"));
+    CHECK(contains(later, "Timeout"));
+    CHECK(ms_since(t1) < 1000);
+    ctx.publish("done", "1");
+  } else {
+    (void)ctx.lookup("done", 30s);  // skips the collective; leaves once rank 0 has checked
+  }
+}
+
+// A mismatch of sizes without DETAIL never writes past a tensor: both sides fail with a size
+// mismatch (direct exchange and ring).
+DISTRPC_MP_TEST("distrpc backend: mismatched sizes fail with a size mismatch", 2, 60) {
+  for (int round = 0; round < 2; ++round) {
+    auto b = make_backend<Shm>(ctx, 20s, {}, "store" + std::to_string(round));
+    const std::int64_t n = round == 0 ? 4 + ctx.rank : 400000 + 1000 * ctx.rank;
+    std::vector<at::Tensor> t{at::ones({n})};
+    const std::string err = error_of(b->allreduce(t));
+    MESSAGE("rank " << ctx.rank << ": " << err);
+    CHECK(contains(
+        err, "allreduce (sequence number 1): size mismatch: rank " + std::to_string(1 - ctx.rank) +
+                 " sent " +
+                 std::to_string((round == 0 ? 4 + (1 - ctx.rank) : 400000 + 1000 * (1 - ctx.rank)) *
+                                4)));
+    CHECK(contains(err, "expects " + std::to_string(n * 4)));
+    b->shutdown();
+  }
+}
+
+// SIGKILL during a collective: the others' wait fails within 2 s, naming the dead member.
+DISTRPC_MP_TARGET("distrpc backend target: killed mid-collective") {
+  auto b = make_backend<Tcp>(ctx, 60s);
+  REQUIRE(b->barrier()->wait());
+  if (ctx.rank == 2) {
+    std::this_thread::sleep_for(300ms);
+    ::kill(::getpid(), SIGKILL);
+  }
+  std::vector<at::Tensor> t{at::ones({1000000})};
+  const auto t0 = Clock::now();
+  const std::string err = error_of(b->allreduce(t));  // rank 2 never joins: it dies first
+  const long long took = ms_since(t0);
+  MESSAGE("rank " << ctx.rank << ": " << err << " after " << took << " ms");
+  CHECK(contains(err, "allreduce (sequence number 2) failed on rank " + std::to_string(ctx.rank) +
+                          ": connection to rank 2 lost"));
+  CHECK(took < 2300);  // 300 ms until the kill, then at most 2 s
+  const auto t1 = Clock::now();
+  b->shutdown();
+  CHECK(ms_since(t1) < 2000);
+}
+DISTRPC_MP_TARGET("distrpc backend target: killed mid-collective on shm") {
+  auto b = make_backend<Shm>(ctx, 60s);
+  REQUIRE(b->barrier()->wait());
+  if (ctx.rank == 1) {
+    std::thread([] {
+      std::this_thread::sleep_for(200ms);
+      ::kill(::getpid(), SIGKILL);
+    }).detach();
+  }
+  // Rank 1 dies in the middle of a stream of large allreduces.
+  std::string err;
+  const auto start = Clock::now();
+  for (int i = 0; i < 100000 && err.empty(); ++i) {
+    std::vector<at::Tensor> t{at::ones({1 << 20})};
+    err = error_of(b->allreduce(t));
+  }
+  const long long took = ms_since(start);
+  MESSAGE("rank " << ctx.rank << ": " << err << " after " << took << " ms");
+  CHECK(contains(err, "connection to rank 1 lost"));
+  CHECK(took < 2200);
+}
+
+TEST_CASE("distrpc backend: a member killed with SIGKILL fails the others within 2 s") {
+  for (const char* name : {"distrpc backend target: killed mid-collective",
+                           "distrpc backend target: killed mid-collective on shm"}) {
+    RunOptions o;
+    const bool shm = std::string(name).find("shm") != std::string::npos;
+    o.world = 3;
+    o.limit = 60s;
+    o.may_die = {shm ? 1 : 2};
+    const auto r = distrpc::testing::run_ranks(name, o);
+    CHECK_MESSAGE(r.ok, r.report());
+    for (const auto& rk : r.ranks) {
+      if (o.may_die.count(rk.rank) != 0) {
+        CHECK_MESSAGE(rk.signal == SIGKILL, r.report());
+      } else {
+        CHECK_MESSAGE(rk.exit_code == 0, r.report());
+      }
+    }
+  }
+}
+
+// TORCH_DISTRIBUTED_DEBUG=DETAIL: a fingerprint mismatch names both sides.
+DISTRPC_MP_TARGET("distrpc backend target: detail mismatch") {
+  auto b = make_backend<Tcp>(ctx, 20s);
+  std::vector<at::Tensor> ok{at::ones({2})};
+  REQUIRE(b->allreduce(ok)->wait());
+  std::vector<at::Tensor> t{at::ones({4 + ctx.rank})};
+  const std::string err = error_of(b->allreduce(t));
+  MESSAGE("rank " << ctx.rank << ": " << err);
+  const std::string me =
+      "CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[[" +
+      std::to_string(4 + ctx.rank) + "]], TensorDtypes=[Float], ReduceOp.SUM)";
+  const std::string other =
+      "CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[[" +
+      std::to_string(5 - ctx.rank) + "]], TensorDtypes=[Float], ReduceOp.SUM)";
+  CHECK(err == "Detected mismatch between collectives on ranks. Rank " + std::to_string(ctx.rank) +
+                   " is running collective: " + me + ", but Rank " + std::to_string(1 - ctx.rank) +
+                   " is running collective: " + other + ".");
+  // Different operations are caught as well, on a fresh group.
+  auto b2 = make_backend<Tcp>(ctx, 20s, {}, "store2");
+  std::vector<at::Tensor> x{at::ones({3})};
+  const std::string err2 = ctx.rank == 0 ? error_of(b2->allreduce(x)) : error_of(b2->broadcast(x));
+  CHECK(contains(err2, "OpType=ALLREDUCE"));
+  CHECK(contains(err2, "OpType=BROADCAST"));
+}
+
+TEST_CASE("distrpc backend: TORCH_DISTRIBUTED_DEBUG=DETAIL names both sides of a mismatch") {
+  RunOptions o;
+  o.world = 2;
+  o.limit = 60s;
+  o.env = {"TORCH_DISTRIBUTED_DEBUG=detail"};
+  const auto r = distrpc::testing::run_ranks("distrpc backend target: detail mismatch", o);
+  CHECK_MESSAGE(r.ok, r.report());
+}
+
+TEST_CASE("distrpc backend: at world 1 every collective completes and bad inputs are named") {
+  auto store = std::make_shared<distrpc::store::HashStore>();
+  auto b = std::make_shared<DistrpcBackend<Tcp>>(store, 0, 1, std::chrono::milliseconds(5000));
+  CHECK(b->rank() == 0);
+  CHECK(b->size() == 1);
+  CHECK(b->name() == "distrpc");
+
+  std::vector<at::Tensor> t{at::full({3}, 2.0)};
+  AllreduceOptions avg;
+  avg.op = ReduceOp::AVG;
+  CHECK(b->allreduce(t, avg)->wait());
+  CHECK(at::equal(t[0], at::full({3}, 2.0)));
+  AllreduceOptions pre;
+  pre.op = distrpc::dist::make_premul_sum(3.0);
+  CHECK(b->allreduce(t, pre)->wait());
+  CHECK(at::equal(t[0], at::full({3}, 6.0)));
+  CHECK(b->broadcast(t)->wait());
+  CHECK(b->barrier()->wait());
+  std::vector<std::vector<at::Tensor>> out{{at::zeros({3})}};
+  CHECK(b->allgather(out, t)->wait());
+  CHECK(at::equal(out[0][0], t[0]));
+  at::Tensor o1 = at::zeros({3});
+  CHECK(b->alltoall_base(o1, t[0], {}, {})->wait());
+  CHECK(at::equal(o1, t[0]));
+  CHECK(b->sequence_number() == 6);
+
+  // Bad inputs: each names what was wrong, before anything is queued.
+  const auto text = [](auto&& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::vector<at::Tensor> two{at::ones({1}), at::ones({1})};
+  CHECK(text([&] { b->allreduce(two); }) ==
+        "allreduce: the distrpc backend takes exactly one tensor per call, got 2");
+  std::vector<at::Tensor> undef{at::Tensor()};
+  CHECK(text([&] { b->broadcast(undef); }) == "broadcast: a tensor is undefined");
+  distrpc::dist::BroadcastOptions bo;
+  bo.root_rank = 3;
+  CHECK(text([&] { b->broadcast(t, bo); }) ==
+        "broadcast: invalid root rank 3 (the group has 1 members)");
+  CHECK(text([&] { b->send(t, 0, 0); }) ==
+        "Invalid destination rank: destination rank should not be the same as the rank of the "
+        "current process.");
+  CHECK(text([&] { b->recv(t, 5, 0); }) == "recv: invalid source rank 5 (the group has 1 members)");
+  CHECK(text([&] { b->recv_anysource(t, -1); }) ==
+        "recv_anysource: the tag must not be negative, got -1");
+  std::vector<std::vector<at::Tensor>> mixed{{at::zeros({3}, at::kInt)}};
+  CHECK(text([&] { b->allgather(mixed, t); }) ==
+        "Invalid usage of tensors with different dtypes Found Float and Int");
+  std::vector<at::Tensor> ints{at::ones({2}, at::kInt)};
+  CHECK(text([&] { b->allreduce(ints, avg); }) ==
+        "Cannot use ReduceOp.AVG with integral dtype Int: the mean is not representable");
+  at::Tensor six = at::zeros({6});
+  CHECK(text([&] {
+          b->alltoall_base(six, six, {1, 2}, {});
+        }) == "alltoall_base: output split sizes has 2 entries, expected 1");
+  CHECK(text([&] { b->alltoall_base(six, six, {5}, {}); }) ==
+        "alltoall_base: the output split sizes add up to 5 but the tensor has 6 rows");
+  AllreduceOptions neg;
+  neg.timeout = std::chrono::milliseconds(-3);
+  CHECK(text([&] { b->allreduce(t, neg); }) ==
+        "allreduce: the timeout must be positive, got -3 ms");
+  CHECK(text([&] { DistrpcBackend<Tcp>(nullptr, 0, 1, std::chrono::milliseconds(100)); }) ==
+        "DistrpcBackend: the store is null");
+  DistrpcBackendOptions bad;
+  bad.chunk_bytes = 0;
+  CHECK(text([&] { DistrpcBackend<Tcp>(store, 0, 1, std::chrono::milliseconds(100), bad); }) ==
+        "DistrpcBackend: chunk_bytes must be positive, got 0");
+
+  b->shutdown();
+  b->shutdown();  // idempotent
+  bool thrown = false;
+  try {
+    b->barrier();
+  } catch (const DistBackendError& e) {
+    thrown = true;
+    CHECK(std::string(e.what()) == "DistrpcBackend: barrier after shutdown()");
+  }
+  CHECK(thrown);
+}
+
+DISTRPC_MP_TEST("distrpc backend: shutdown fails a pending recv and returns promptly", 2, 60) {
+  auto b = make_backend<Tcp>(ctx, 60s);
+  if (ctx.rank == 1) {
+    // Stays until rank 0 has checked, so rank 0's recv fails by its own shutdown, not by a loss.
+    (void)ctx.lookup("done", 30s);
+    return;
+  }
+  std::vector<at::Tensor> t{at::zeros({2})};
+  auto w = b->recv(t, 1, 99);  // nobody sends
+  std::this_thread::sleep_for(100ms);
+  CHECK_FALSE(w->is_completed());
+  const auto t0 = Clock::now();
+  b->shutdown();
+  CHECK(ms_since(t0) < 2000);
+  CHECK(error_of(w) ==
+        "DistrpcBackend: recv from rank 1 (tag 99) failed: the backend was shut down");
+  ctx.publish("done", "1");
+}
+
+TEST_CASE("distrpc backend: registered as \"distrpc\" for CPU") {
+  distrpc::dist::register_distrpc_backend<Tcp>();
+  CHECK(distrpc::dist::is_backend_available("distrpc"));
+  auto creator = distrpc::dist::backend_creator("distrpc");
+  auto b =
+      creator(std::make_shared<distrpc::store::HashStore>(), 0, 1, std::chrono::milliseconds(1000));
+  CHECK(b->name() == "distrpc");
+  std::vector<at::Tensor> t{at::ones({2})};
+  CHECK(b->allreduce(t)->wait());
+  CHECK(at::equal(t[0], at::ones({2})));
+}
