@@ -32,6 +32,10 @@
 #include <distrpc/store/prefix_store.hpp>
 #include <distrpc/store/tcp_store.hpp>
 
+#include <distrpc/dist/distrpc_backend.hpp>
+#include <distrpc/transport/auto.hpp>
+#include <distrpc/transport/shm.hpp>
+#include <distrpc/transport/tcp.hpp>
 #ifdef USE_C10D_GLOO
 #include <distrpc/dist/gloo_backend.hpp>
 #endif
@@ -53,6 +57,13 @@ struct BackendUnderTest {
 
 const std::vector<BackendUnderTest>& backends_under_test() {
   static const std::vector<BackendUnderTest> table{
+      // On one host Auto picks shared memory; test_dist_distrpc.cpp covers each policy.
+      {"distrpc",
+       [] {
+         using distrpc::transport::Auto, distrpc::transport::Shm, distrpc::transport::Tcp;
+         if (!dist::is_backend_available("distrpc"))
+           dist::register_distrpc_backend<Auto<Shm, Tcp>>();
+       }},
 #ifdef USE_C10D_GLOO
       {"gloo", &dist::register_gloo_backend},
 #endif
