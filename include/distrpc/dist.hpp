@@ -97,7 +97,9 @@ inline void init_process_group(const InitOptions& opts) {
     if (w.default_pg) {
       throw std::logic_error("trying to initialize the default process group twice!");
     }
-    generation = ++w.generation;
+    // Taken for good only once this init succeeds, so that a failed attempt (a bad URL, a peer
+    // that never came) does not put this process's key names out of step with the others'.
+    generation = w.generation + 1;
   }
 
   std::shared_ptr<store::Store> store = opts.store;
@@ -128,6 +130,7 @@ inline void init_process_group(const InitOptions& opts) {
       throw std::logic_error("trying to initialize the default process group twice!");
     }
     w.default_pg = pg;
+    w.generation = generation;
     w.store = store;
     w.owns_store = !opts.store;
     w.rank = rank;
