@@ -327,6 +327,7 @@ DistrpcBackendOptions many_chunks() {
   DistrpcBackendOptions o;
   o.small_bytes = 0;
   o.chunk_bytes = 64 * 1024;
+  o.wait_spin = std::chrono::microseconds(50);  // the spinning paths (drive(), the Work's poll)
   return o;
 }
 }  // namespace
@@ -578,6 +579,10 @@ TEST_CASE("distrpc backend: at world 1 every collective completes and bad inputs
         "allreduce: the timeout must be positive, got -3 ms");
   CHECK(text([&] { DistrpcBackend<Tcp>(nullptr, 0, 1, std::chrono::milliseconds(100)); }) ==
         "DistrpcBackend: the store is null");
+  DistrpcBackendOptions spin;
+  spin.wait_spin = std::chrono::microseconds(-1);
+  CHECK(text([&] { DistrpcBackend<Tcp>(store, 0, 1, std::chrono::milliseconds(100), spin); }) ==
+        "DistrpcBackend: wait_spin must not be negative, got -1 us");
   DistrpcBackendOptions bad;
   bad.chunk_bytes = 0;
   CHECK(text([&] { DistrpcBackend<Tcp>(store, 0, 1, std::chrono::milliseconds(100), bad); }) ==
