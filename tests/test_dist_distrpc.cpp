@@ -619,6 +619,22 @@ DISTRPC_MP_TEST("distrpc backend: shutdown fails a pending recv and returns prom
   ctx.publish("done", "1");
 }
 
+TEST_CASE("distrpc backend: a member that never arrives fails the meeting, naming its key") {
+  auto store = std::make_shared<distrpc::store::HashStore>();
+  const auto t0 = Clock::now();
+  std::string err;
+  try {
+    DistrpcBackend<Tcp> b(store, 0, 2, std::chrono::milliseconds(300));
+  } catch (const DistBackendError& e) {
+    err = e.what();
+  }
+  CHECK(contains(err,
+                 "DistrpcBackend: rank 0: not every member published its address within "
+                 "300 ms: "));
+  CHECK(contains(err, "distrpc_backend/addr/1"));
+  CHECK(ms_since(t0) < 3000);
+}
+
 TEST_CASE("distrpc backend: registered as \"distrpc\" for CPU") {
   distrpc::dist::register_distrpc_backend<Tcp>();
   CHECK(distrpc::dist::is_backend_available("distrpc"));

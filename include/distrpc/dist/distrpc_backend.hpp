@@ -1339,9 +1339,7 @@ class DistrpcBackend final : public Backend {
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (h.kind == static_cast<std::uint8_t>(detail::DistrpcKind::Collective)) {
-        heard_[h.coll].insert(peer);
-      }
+      heard_[h.coll].insert(peer);  // collective 0 is the meeting's hello
       box_.emplace(Key{peer, h.coll, h.step, h.chunk}, Arrived{std::move(h), std::move(bytes)});
       arrivals_.fetch_add(1, std::memory_order_release);
     }
