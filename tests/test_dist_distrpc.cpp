@@ -327,6 +327,7 @@ DistrpcBackendOptions many_chunks() {
   DistrpcBackendOptions o;
   o.small_bytes = 0;
   o.chunk_bytes = 64 * 1024;
+  o.wait_spin = std::chrono::microseconds(50);  // the spinning paths (drive(), the Work's poll)
   return o;
 }
 }  // namespace
@@ -578,6 +579,10 @@ TEST_CASE("distrpc backend: at world 1 every collective completes and bad inputs
         "allreduce: the timeout must be positive, got -3 ms");
   CHECK(text([&] { DistrpcBackend<Tcp>(nullptr, 0, 1, std::chrono::milliseconds(100)); }) ==
         "DistrpcBackend: the store is null");
+  DistrpcBackendOptions spin;
+  spin.wait_spin = std::chrono::microseconds(-1);
+  CHECK(text([&] { DistrpcBackend<Tcp>(store, 0, 1, std::chrono::milliseconds(100), spin); }) ==
+        "DistrpcBackend: wait_spin must not be negative, got -1 us");
   DistrpcBackendOptions bad;
   bad.chunk_bytes = 0;
   CHECK(text([&] { DistrpcBackend<Tcp>(store, 0, 1, std::chrono::milliseconds(100), bad); }) ==
@@ -612,6 +617,22 @@ DISTRPC_MP_TEST("distrpc backend: shutdown fails a pending recv and returns prom
   CHECK(error_of(w) ==
         "DistrpcBackend: recv from rank 1 (tag 99) failed: the backend was shut down");
   ctx.publish("done", "1");
+}
+
+TEST_CASE("distrpc backend: a member that never arrives fails the meeting, naming its key") {
+  auto store = std::make_shared<distrpc::store::HashStore>();
+  const auto t0 = Clock::now();
+  std::string err;
+  try {
+    DistrpcBackend<Tcp> b(store, 0, 2, std::chrono::milliseconds(300));
+  } catch (const DistBackendError& e) {
+    err = e.what();
+  }
+  CHECK(contains(err,
+                 "DistrpcBackend: rank 0: not every member published its address within "
+                 "300 ms: "));
+  CHECK(contains(err, "distrpc_backend/addr/1"));
+  CHECK(ms_since(t0) < 3000);
 }
 
 TEST_CASE("distrpc backend: registered as \"distrpc\" for CPU") {

@@ -57,6 +57,7 @@
 #include <distrpc/dist/reduce_op.hpp>
 #include <distrpc/dist/work.hpp>
 #include <distrpc/error.hpp>
+#include <distrpc/future.hpp>
 #include <distrpc/log.hpp>
 #include <distrpc/store/store.hpp>
 #include <distrpc/transport/transport.hpp>
@@ -78,10 +79,13 @@ struct DistrpcBackendOptions {
   // Large transfers travel in chunks of at most this many bytes, so reducing one chunk overlaps
   // with the transfer of the next and no message grows with the tensor (rounded up to 64 bytes).
   std::int64_t chunk_bytes = 2 * 1024 * 1024;
-  // Before sleeping for a message, the waiting thread reads the transport itself for up to this
-  // long where the policy can (Transport's drive()): a message then wakes no other thread, which
-  // is most of a small collective's latency. 0: always sleep.
-  std::chrono::microseconds wait_spin{50};
+  // Spinning before sleeping, for machines with cores to spare: the executor looks for the next
+  // collective, the thread in Work::wait() polls its Work, and the executor reads the transport
+  // itself where the policy can (Transport's drive()), each for up to this long, so a small
+  // collective needs no thread wake-up. Off by default: on 2 shared vCPUs the spinning threads
+  // took the CPU from the ones doing the work (a 4-float all-reduce at world 2 on Shm took
+  // 2 to 5 times longer with 50 us than without).
+  std::chrono::microseconds wait_spin{0};
 };
 
 namespace detail {
@@ -147,6 +151,21 @@ inline std::string env_or(const std::string& value, const char* var, const std::
   return fallback;
 }
 
+// Polls a Work's future from the thread that waits on it for a short while before that thread
+// sleeps (Future's WaitDriver hook): a small collective then completes without waking its caller.
+class SpinWaitDriver final : public distrpc::detail::WaitDriver {
+ public:
+  explicit SpinWaitDriver(std::chrono::microseconds budget) : budget_(budget) {}
+  void drive_wait(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
+    const auto end = std::min(until, std::chrono::steady_clock::now() + budget_);
+    while (!done() && std::chrono::steady_clock::now() < end) std::this_thread::yield();
+  }
+
+ private:
+  const std::chrono::microseconds budget_;
+};
+
 }  // namespace detail
 
 template <transport::Transport T>
@@ -199,6 +218,9 @@ class DistrpcBackend final : public Backend {
     transport::TransportCallbacks cb;
     cb.on_message = [this](int peer, wire::Message&& m) { on_message(peer, std::move(m)); };
     cb.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
+    if (options_.wait_spin.count() > 0) {
+      spin_driver_ = std::make_shared<detail::SpinWaitDriver>(options_.wait_spin);
+    }
     ctx_ = std::make_unique<typename T::Context>(to, std::move(cb));
     try {
       meet();
@@ -828,8 +850,13 @@ class DistrpcBackend final : public Backend {
       // several threads call (every member must still call in the same order).
       const auto seq = static_cast<std::int64_t>(next_sequence_number());
       work = std::make_shared<Work>(name, seq);
+      if (spin_driver_) {
+        distrpc::detail::set_wait_driver(work->get_future(),
+                                         std::weak_ptr<distrpc::detail::WaitDriver>(spin_driver_));
+      }
       Op op{name, ++coll_count_, seq, Clock::now() + timeout, timeout};
       tasks_.push_back(Task{work, op, std::move(fp), std::move(body)});
+      queued_.fetch_add(1, std::memory_order_acq_rel);
     }
     cv_.notify_all();
     return work;
@@ -841,10 +868,22 @@ class DistrpcBackend final : public Backend {
       std::string broken;
       {
         std::unique_lock<std::mutex> lk(mu_);
+        if (tasks_.empty() && !stopping_ && options_.wait_spin.count() > 0) {
+          // A caller issuing collectives back to back queues the next one within microseconds:
+          // look for it a while before sleeping, so it needs no wake-up.
+          lk.unlock();
+          const auto end = Clock::now() + options_.wait_spin;
+          while (queued_.load(std::memory_order_acquire) == 0 &&
+                 !stopping_flag_.load(std::memory_order_acquire) && Clock::now() < end) {
+            std::this_thread::yield();
+          }
+          lk.lock();
+        }
         cv_.wait(lk, [&] { return stopping_ || !tasks_.empty(); });
         if (tasks_.empty()) return;  // stopping, nothing left
         task = std::move(tasks_.front());
         tasks_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_acq_rel);
         broken = broken_;
         if (stopping_) broken = "the backend was shut down";
       }
@@ -1300,9 +1339,7 @@ class DistrpcBackend final : public Backend {
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (h.kind == static_cast<std::uint8_t>(detail::DistrpcKind::Collective)) {
-        heard_[h.coll].insert(peer);
-      }
+      heard_[h.coll].insert(peer);  // collective 0 is the meeting's hello
       box_.emplace(Key{peer, h.coll, h.step, h.chunk}, Arrived{std::move(h), std::move(bytes)});
       arrivals_.fetch_add(1, std::memory_order_release);
     }
@@ -1528,6 +1565,7 @@ class DistrpcBackend final : public Backend {
   bool stopping_ = false;                         // written under both mutexes
   std::atomic<bool> stopping_flag_{false};        // the same, for drive()'s predicate
   std::atomic<std::uint64_t> arrivals_{0};        // messages filed: drive()'s predicate
+  std::atomic<std::int64_t> queued_{0};           // tasks_.size(), for the executor's spin
 
   // Point to point, under p2p_mu_.
   std::mutex p2p_mu_;
@@ -1539,6 +1577,7 @@ class DistrpcBackend final : public Backend {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
 
+  std::shared_ptr<detail::SpinWaitDriver> spin_driver_;  // null when wait_spin is 0
   std::unique_ptr<typename T::Context> ctx_;
   std::thread executor_;
   std::thread p2p_thread_;
