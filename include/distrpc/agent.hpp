@@ -308,6 +308,9 @@ class RpcAgent : public AgentServices,
   }
 
   bool stopped() const { return stopped_.load(); }
+  // The store this agent met through (null once stopped): rpc_store.hpp shares it with process
+  // groups.
+  const std::shared_ptr<store::Store>& store() const { return members_.store(); }
 
  protected:
   using Clock = std::chrono::steady_clock;
@@ -383,7 +386,6 @@ class RpcAgent : public AgentServices,
 
   // The join's counters of this worker's calls (monotonic).
   WorkCounters counters() const { return calls_.counters(); }
-  const std::shared_ptr<store::Store>& store() const { return members_.store(); }
 
   // ---- AgentServices (what the layers plugged in use) ------------------------------------------
   const WorkerInfo& host_self() const override { return self(); }

@@ -18,7 +18,7 @@ layer_of() {
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store
     distrpc/transport/*) echo 4 ;;                                            # transport
     distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
-      distrpc/backends.hpp | distrpc/declare.hpp) echo 5 ;;                                         # agent
+      distrpc/backends.hpp | distrpc/declare.hpp | distrpc/rpc_store.hpp) echo 5 ;;                                         # agent
     # Process groups (distrpc::dist) stand beside the agent, on the store and transport layers.
     distrpc/dist.hpp | distrpc/dist/*) echo 5 ;;                               # dist (beside agent)
     distrpc/rref.hpp | distrpc/rref/*) echo 6 ;;                              # refs
