@@ -14,6 +14,7 @@
 //   allgather_small_us    median all-gather of a 4-float tensor
 //   barrier_us            median barrier
 // Each rank uses one intra-op thread, as the reference does (torch.set_num_threads(1)).
+// --gib instead runs one 1 GiB all-reduce, checks every element and prints its time.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -54,6 +55,7 @@ struct Args {
   std::string out;
   int small = 2000;
   int big = 10;
+  bool gib = false;  // --gib: one 1 GiB all-reduce, checked, instead of the figures
 };
 
 std::string backends_built() {
@@ -96,10 +98,12 @@ Args parse(int argc, char** argv) {
       a.small = std::stoi(next());
     } else if (k == "--big") {
       a.big = std::stoi(next());
+    } else if (k == "--gib") {
+      a.gib = true;
     } else {
       throw std::invalid_argument("unknown argument '" + k +
                                   "' (expected --backend distrpc|gloo, --transport tcp|shm|auto, "
-                                  "--world N, --small N, --big N)");
+                                  "--world N, --small N, --big N, --gib)");
     }
   }
   if (a.backend != "distrpc" &&
@@ -157,6 +161,29 @@ double median_us(F&& fn, int n, int warm) {
   return median(std::move(lat));
 }
 
+// The largest size the backends promise: one 1 GiB float all-reduce (2^28 elements), every element
+// checked, its time reported.
+int run_gib(const Args& a, dist::Backend& pg) {
+  std::vector<at::Tensor> t{torch::full({std::int64_t{1} << 28}, a.rank + 1.0f)};
+  const auto t0 = Clock::now();
+  pg.allreduce(t)->wait();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const float expect = a.world * (a.world + 1) / 2.0f;
+  const bool ok = t[0].eq(expect).all().item<bool>();
+  if (a.rank == 0) {
+    std::ofstream out(a.out);
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "{\"backend\": \"%s\", \"world\": %d, \"allreduce_1GiB_s\": %.3f, "
+                  "\"allreduce_1GiB_correct\": %s}",
+                  a.backend.c_str(), a.world, s, ok ? "true" : "false");
+    out << buf << "\n";
+  }
+  pg.barrier()->wait();
+  pg.shutdown();
+  return ok ? 0 : 1;
+}
+
 int run_worker(const Args& a) {
   at::set_num_threads(1);
   register_backends(a);
@@ -164,6 +191,7 @@ int run_worker(const Args& a) {
   const std::shared_ptr<dist::Backend> pg =
       dist::backend_creator(a.backend)(rv.store, a.rank, a.world, std::chrono::seconds(120));
 
+  if (a.gib) return run_gib(a, *pg);
   std::vector<at::Tensor> small{torch::ones({4})};
   const double allreduce_small =
       median_us([&] { pg->allreduce(small)->wait(); }, a.small, a.small / 10);
@@ -211,12 +239,14 @@ int launch(const Args& a) {
   const bool ok = distrpc_examples::run_local_group(
       a.world, "collectives",
       [&](const std::string& dir) {
-        return std::vector<std::string>{"--out",       dir + "/result.json",
-                                        "--backend",   a.backend,
-                                        "--transport", a.transport,
-                                        "--world",     std::to_string(a.world),
-                                        "--small",     std::to_string(a.small),
-                                        "--big",       std::to_string(a.big)};
+        std::vector<std::string> args{"--out",       dir + "/result.json",
+                                      "--backend",   a.backend,
+                                      "--transport", a.transport,
+                                      "--world",     std::to_string(a.world),
+                                      "--small",     std::to_string(a.small),
+                                      "--big",       std::to_string(a.big)};
+        if (a.gib) args.push_back("--gib");
+        return args;
       },
       [&](const std::string& dir) {
         std::ifstream in(dir + "/result.json");
