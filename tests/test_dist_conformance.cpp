@@ -716,7 +716,9 @@ void check_call_timeout(Backend& b) {
   auto w = b.barrier(o);
   if (b.rank() == 0) {
     const std::string text = error_text<distrpc::DistBackendError>([&] { w->wait(kOpTimeout); });
-    CHECK(text.find("barrier") != std::string::npos);
+    CHECK(text.find("Timeout") != std::string::npos);
+    CHECK(text.find("barrier (sequence number " + std::to_string(w->sequence_number()) + ")") !=
+          std::string::npos);
     CHECK(text.find("timed out after 300 ms") != std::string::npos);
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1400));
     CHECK_FALSE(w->is_success());
