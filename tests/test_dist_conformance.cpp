@@ -273,6 +273,27 @@ void check_refusals(Backend& b) {
   CHECK(error_text<std::invalid_argument>([&] { b.recv(f, b.rank(), 0); }) ==
         "Invalid source rank: source rank should not be the same as the rank of the current "
         "process.");
+  // Every backend shares these texts (Backend's argument checks).
+  const std::string n = std::to_string(b.size());
+  const std::string n1 = std::to_string(b.size() + 1);
+  std::vector<at::Tensor> r{at::ones({1})};
+  CHECK(error_text<std::invalid_argument>([&] { b.recv(r, b.size(), 0); }) ==
+        "recv: source rank " + n + " is outside the group of size " + n);
+  dist::BroadcastOptions bad_tensor;
+  bad_tensor.root_tensor = 1;
+  CHECK(error_text<std::invalid_argument>([&] { b.broadcast(f, bad_tensor); }) ==
+        "broadcast: root tensor must be 0 (one tensor per call), got 1");
+  std::vector<std::vector<at::Tensor>> two_lists(2, go[0]);
+  CHECK(error_text<std::invalid_argument>([&] { b.allgather(two_lists, f); }) ==
+        "allgather: expects one output list, got 2");
+  std::vector<at::Tensor> too_many(static_cast<std::size_t>(b.size() + 1), at::ones({1}));
+  std::vector<at::Tensor> enough(static_cast<std::size_t>(b.size()), at::ones({1}));
+  CHECK(error_text<std::invalid_argument>([&] { b.alltoall(enough, too_many); }) ==
+        "alltoall: expects " + n + " input tensors (one per rank), got " + n1);
+  at::Tensor rows = at::zeros({b.size(), 2});
+  CHECK(error_text<std::invalid_argument>([&] {
+          b.alltoall_base(rows, rows, std::vector<std::int64_t>(b.size() + 1, 0), {});
+        }) == "alltoall_base: the output split sizes have " + n1 + " entries, expected " + n);
   dist::BarrierOptions zero;
   zero.timeout = std::chrono::milliseconds(0);
   CHECK(error_text<std::invalid_argument>([&] {
@@ -716,7 +737,9 @@ void check_call_timeout(Backend& b) {
   auto w = b.barrier(o);
   if (b.rank() == 0) {
     const std::string text = error_text<distrpc::DistBackendError>([&] { w->wait(kOpTimeout); });
-    CHECK(text.find("barrier") != std::string::npos);
+    CHECK(text.find("Timeout") != std::string::npos);
+    CHECK(text.find("barrier (sequence number " + std::to_string(w->sequence_number()) + ")") !=
+          std::string::npos);
     CHECK(text.find("timed out after 300 ms") != std::string::npos);
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1400));
     CHECK_FALSE(w->is_success());

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -98,8 +99,9 @@ class Backend {
   // The backend's name as registered ("distrpc", "gloo").
   virtual std::string name() const = 0;
 
-  // The number of collectives (and point-to-point calls) this member has issued: equal on every
-  // member between calls, since all issue the same ones (PyTorch's sequence number).
+  // The number of collectives this member has issued: equal on every member between calls, since
+  // all issue the same ones (PyTorch's sequence number). Point-to-point calls take none (their
+  // Works' sequence_number() is -1): members send and receive different counts.
   virtual std::uint64_t sequence_number() const noexcept {
     return seq_.load(std::memory_order_acquire);
   }
@@ -207,6 +209,156 @@ class Backend {
   virtual void shutdown() {}
 
  protected:
+  // ---- Argument checks shared by every backend, so a mistake reads the same whichever backend
+  // serves the group. Each throws std::invalid_argument starting with the operation's name, on
+  // the caller's thread, before anything is issued (a refused call takes no sequence number).
+
+  // "<op>: <what> <index> is undefined".
+  static void check_defined(const char* op, const at::Tensor& t, std::size_t index = 0,
+                            const char* what = "input") {
+    if (!t.defined()) {
+      throw std::invalid_argument(std::string(op) + ": " + what + " " + std::to_string(index) +
+                                  " is undefined");
+    }
+  }
+  // Defined, dense and on the CPU: what every backend here serves (a device backend would check
+  // its own device instead).
+  void check_cpu_tensor(const char* op, const at::Tensor& t, std::size_t index = 0,
+                        const char* what = "input") const {
+    check_defined(op, t, index, what);
+    const std::string which = std::string(op) + ": " + what + " " + std::to_string(index);
+    if (!t.device().is_cpu()) {
+      throw std::invalid_argument(which + " is on " + t.device().str() + "; the " + name() +
+                                  " backend serves CPU tensors");
+    }
+    if (t.layout() != at::kStrided) {
+      throw std::invalid_argument(which + " is not a dense (strided) tensor");
+    }
+  }
+  // "<op>: expects exactly one <what> tensor, got N" (one tensor per call, see the top), then
+  // check_cpu_tensor on it.
+  const at::Tensor& check_single_tensor(const char* op, const std::vector<at::Tensor>& tensors,
+                                        const char* what = "input") const {
+    if (tensors.size() != 1) {
+      throw std::invalid_argument(std::string(op) + ": expects exactly one " + what +
+                                  " tensor, got " + std::to_string(tensors.size()));
+    }
+    check_cpu_tensor(op, tensors[0], 0, what);
+    return tensors[0];
+  }
+  // A list with one tensor per member: its size, then check_cpu_tensor and the dtype of each.
+  void check_tensor_list(const char* op, const std::vector<at::Tensor>& list,
+                         const at::Tensor& like, const char* what) const {
+    if (list.size() != static_cast<std::size_t>(size())) {
+      throw std::invalid_argument(std::string(op) + ": expects " + std::to_string(size()) + " " +
+                                  what + " tensors (one per rank), got " +
+                                  std::to_string(list.size()));
+    }
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      check_cpu_tensor(op, list[i], i, what);
+      check_same_dtype(like, list[i]);
+    }
+  }
+  // The list of lists the calls take for one tensor per call: exactly one.
+  static void check_one_list(const char* op, std::size_t lists, const char* what) {
+    if (lists != 1) {
+      throw std::invalid_argument(std::string(op) + ": expects one " + what + " list, got " +
+                                  std::to_string(lists));
+    }
+  }
+  // gather's outputs and scatter's inputs: one list on the root, none (or an empty one)
+  // elsewhere.
+  void check_root_lists(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+                        int root_rank, const char* what) const {
+    if (rank() == root_rank) {
+      check_one_list(op, lists.size(), what);
+      return;
+    }
+    for (const auto& l : lists) {
+      if (!l.empty()) {
+        throw std::invalid_argument(std::string(op) + ": only the root (rank " +
+                                    std::to_string(root_rank) + ") passes " + what +
+                                    " tensors; rank " + std::to_string(rank()) + " passed some");
+      }
+    }
+  }
+  // PyTorch's text (the front end's too).
+  static void check_same_dtype(const at::Tensor& a, const at::Tensor& b) {
+    if (a.scalar_type() != b.scalar_type()) {
+      throw std::invalid_argument(
+          std::string("Invalid usage of tensors with different dtypes Found ") +
+          c10::toString(a.scalar_type()) + " and " + c10::toString(b.scalar_type()));
+    }
+  }
+  void check_root(const char* op, int root_rank) const {
+    if (root_rank < 0 || root_rank >= size()) {
+      throw std::invalid_argument(std::string(op) + ": root rank " + std::to_string(root_rank) +
+                                  " is outside the group of size " + std::to_string(size()));
+    }
+  }
+  static void check_root_tensor(const char* op, int root_tensor) {
+    if (root_tensor != 0) {
+      throw std::invalid_argument(std::string(op) +
+                                  ": root tensor must be 0 (one tensor per call), got " +
+                                  std::to_string(root_tensor));
+    }
+  }
+  // role: "destination" or "source".
+  void check_peer(const char* op, const char* role, int peer) const {
+    if (peer < 0 || peer >= size()) {
+      throw std::invalid_argument(std::string(op) + ": " + role + " rank " + std::to_string(peer) +
+                                  " is outside the group of size " + std::to_string(size()));
+    }
+    if (peer == rank()) {
+      // PyTorch's text: a member does not message itself.
+      throw std::invalid_argument(std::string("Invalid ") + role + " rank: " + role +
+                                  " rank should not be the same as the rank of the current "
+                                  "process.");
+    }
+  }
+  // A call's own timeout: kUnsetTimeout (the backend's) or positive.
+  static void check_call_timeout(const char* op, std::chrono::milliseconds t) {
+    if (t != kUnsetTimeout && t <= std::chrono::milliseconds::zero()) {
+      throw std::invalid_argument(std::string(op) + ": the timeout must be positive, got " +
+                                  std::to_string(t.count()) + " ms");
+    }
+  }
+  // alltoall_base's split sizes for t (which: "input" or "output"), checked, as rows per member:
+  // empty sizes mean equal slices.
+  std::vector<std::int64_t> split_rows(const char* op, const char* which, const at::Tensor& t,
+                                       const std::vector<std::int64_t>& sizes) const {
+    const std::string head = std::string(op) + ": the " + which;
+    if (t.dim() == 0) {
+      throw std::invalid_argument(head + " has no first dimension to split (a 0-dim tensor)");
+    }
+    const std::int64_t rows = t.size(0);
+    if (sizes.empty()) {
+      if (rows % size() != 0) {
+        throw std::invalid_argument(head + " has " + std::to_string(rows) +
+                                    " rows, not divisible by the " + std::to_string(size()) +
+                                    " ranks (give split sizes)");
+      }
+      return std::vector<std::int64_t>(static_cast<std::size_t>(size()), rows / size());
+    }
+    if (sizes.size() != static_cast<std::size_t>(size())) {
+      throw std::invalid_argument(head + " split sizes have " + std::to_string(sizes.size()) +
+                                  " entries, expected " + std::to_string(size()));
+    }
+    std::int64_t sum = 0;
+    for (std::int64_t s : sizes) {
+      if (s < 0) {
+        throw std::invalid_argument(head + " split sizes have a negative entry " +
+                                    std::to_string(s));
+      }
+      sum += s;
+    }
+    if (sum != rows) {
+      throw std::invalid_argument(head + " split sizes add up to " + std::to_string(sum) +
+                                  " but the tensor has " + std::to_string(rows) + " rows");
+    }
+    return sizes;
+  }
+
   // The timeout an operation runs under: the call's, else the backend's.
   std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const noexcept {
     return requested == kUnsetTimeout ? timeout_ : requested;

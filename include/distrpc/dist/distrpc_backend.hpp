@@ -247,7 +247,7 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
                                   const AllreduceOptions& opts = {}) override {
-    at::Tensor t = single(tensors, "allreduce");
+    at::Tensor t = check_single_tensor("allreduce", tensors);
     check_reduce_dtype(opts.op, t.scalar_type());
     ReduceOp op = opts.op;
     return enqueue("allreduce", opts.timeout, fingerprint("ALLREDUCE", {t}, op.describe()),
@@ -262,9 +262,9 @@ class DistrpcBackend final : public Backend {
     if (tensors.empty()) {
       throw std::invalid_argument("allreduce_coalesced: the tensor list is empty");
     }
-    for (const at::Tensor& t : tensors) {
-      check_defined(t, "allreduce_coalesced");
-      check_same_dtype(tensors.front(), t);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      check_cpu_tensor("allreduce_coalesced", tensors[i], i);
+      check_same_dtype(tensors.front(), tensors[i]);
     }
     check_reduce_dtype(opts.op, tensors.front().scalar_type());
     std::vector<at::Tensor> ts = tensors;
@@ -287,9 +287,9 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                   const BroadcastOptions& opts = {}) override {
-    at::Tensor t = single(tensors, "broadcast");
-    check_root(opts.root_rank, "broadcast");
-    check_root_tensor(opts.root_tensor, "broadcast");
+    at::Tensor t = check_single_tensor("broadcast", tensors);
+    check_root("broadcast", opts.root_rank);
+    check_root_tensor("broadcast", opts.root_tensor);
     const int root = opts.root_rank;
     return enqueue("broadcast", opts.timeout,
                    fingerprint("BROADCAST", {t}, "root=" + std::to_string(root)),
@@ -301,9 +301,9 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
                                const ReduceOptions& opts = {}) override {
-    at::Tensor t = single(tensors, "reduce");
-    check_root(opts.root_rank, "reduce");
-    check_root_tensor(opts.root_tensor, "reduce");
+    at::Tensor t = check_single_tensor("reduce", tensors);
+    check_root("reduce", opts.root_rank);
+    check_root_tensor("reduce", opts.root_tensor);
     check_reduce_dtype(opts.op, t.scalar_type());
     const int root = opts.root_rank;
     ReduceOp op = opts.op;
@@ -328,18 +328,11 @@ class DistrpcBackend final : public Backend {
   std::shared_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs,
                                   const AllgatherOptions& opts = {}) override {
-    at::Tensor in = single(inputs, "allgather");
-    if (outputs.size() != 1) {
-      throw std::invalid_argument("allgather: expected one output list, got " +
-                                  std::to_string(outputs.size()));
-    }
+    at::Tensor in = check_single_tensor("allgather", inputs);
+    check_one_list("allgather", outputs.size(), "output");
     std::vector<at::Tensor> outs = outputs[0];
-    check_list_size(outs, "allgather", "output");
-    for (const at::Tensor& o : outs) {
-      check_defined(o, "allgather");
-      check_same_dtype(in, o);
-      check_same_numel(in, o, "allgather", "an output tensor");
-    }
+    check_tensor_list("allgather", outs, in, "output");
+    for (const at::Tensor& o : outs) check_same_numel(in, o, "allgather", "an output tensor");
     return enqueue("allgather", opts.timeout, fingerprint("ALLGATHER", {in}, ""),
                    [this, in, outs](Op& o) {
                      gather_all(o, in.contiguous().reshape({-1}), outs);
@@ -349,8 +342,8 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> allgather_into_tensor(at::Tensor& output, at::Tensor& input,
                                               const AllgatherOptions& opts = {}) override {
-    check_defined(input, "allgather_into_tensor");
-    check_defined(output, "allgather_into_tensor");
+    check_cpu_tensor("allgather_into_tensor", input);
+    check_cpu_tensor("allgather_into_tensor", output, 0, "output");
     check_same_dtype(input, output);
     if (output.numel() != input.numel() * size()) {
       throw std::invalid_argument(
@@ -376,25 +369,15 @@ class DistrpcBackend final : public Backend {
   std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                std::vector<at::Tensor>& inputs,
                                const GatherOptions& opts = {}) override {
-    at::Tensor in = single(inputs, "gather");
-    check_root(opts.root_rank, "gather");
+    at::Tensor in = check_single_tensor("gather", inputs);
+    check_root("gather", opts.root_rank);
     const int root = opts.root_rank;
+    check_root_lists("gather", outputs, root, "output");
     std::vector<at::Tensor> outs;
     if (rank() == root) {
-      if (outputs.size() != 1) {
-        throw std::invalid_argument("gather: the root expects one output list, got " +
-                                    std::to_string(outputs.size()));
-      }
       outs = outputs[0];
-      check_list_size(outs, "gather", "output");
-      for (const at::Tensor& o : outs) {
-        check_defined(o, "gather");
-        check_same_dtype(in, o);
-        check_same_numel(in, o, "gather", "an output tensor");
-      }
-    } else if (!outputs.empty()) {
-      throw std::invalid_argument("gather: only the root (rank " + std::to_string(root) +
-                                  ") takes output tensors");
+      check_tensor_list("gather", outs, in, "output");
+      for (const at::Tensor& o : outs) check_same_numel(in, o, "gather", "an output tensor");
     }
     return enqueue("gather", opts.timeout,
                    fingerprint("GATHER", {in}, "root=" + std::to_string(root)),
@@ -419,25 +402,15 @@ class DistrpcBackend final : public Backend {
   std::shared_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
                                 std::vector<std::vector<at::Tensor>>& inputs,
                                 const ScatterOptions& opts = {}) override {
-    at::Tensor out = single(outputs, "scatter");
-    check_root(opts.root_rank, "scatter");
+    at::Tensor out = check_single_tensor("scatter", outputs, "output");
+    check_root("scatter", opts.root_rank);
     const int root = opts.root_rank;
+    check_root_lists("scatter", inputs, root, "input");
     std::vector<at::Tensor> ins;
     if (rank() == root) {
-      if (inputs.size() != 1) {
-        throw std::invalid_argument("scatter: the root expects one input list, got " +
-                                    std::to_string(inputs.size()));
-      }
       ins = inputs[0];
-      check_list_size(ins, "scatter", "input");
-      for (const at::Tensor& i : ins) {
-        check_defined(i, "scatter");
-        check_same_dtype(out, i);
-        check_same_numel(out, i, "scatter", "an input tensor");
-      }
-    } else if (!inputs.empty()) {
-      throw std::invalid_argument("scatter: only the root (rank " + std::to_string(root) +
-                                  ") takes input tensors");
+      check_tensor_list("scatter", ins, out, "input");
+      for (const at::Tensor& i : ins) check_same_numel(out, i, "scatter", "an input tensor");
     }
     return enqueue(
         "scatter", opts.timeout, fingerprint("SCATTER", {out}, "root=" + std::to_string(root)),
@@ -461,18 +434,11 @@ class DistrpcBackend final : public Backend {
   std::shared_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                        std::vector<std::vector<at::Tensor>>& inputs,
                                        const ReduceScatterOptions& opts = {}) override {
-    at::Tensor out = single(outputs, "reduce_scatter");
-    if (inputs.size() != 1) {
-      throw std::invalid_argument("reduce_scatter: expected one input list, got " +
-                                  std::to_string(inputs.size()));
-    }
+    at::Tensor out = check_single_tensor("reduce_scatter", outputs, "output");
+    check_one_list("reduce_scatter", inputs.size(), "input");
     std::vector<at::Tensor> ins = inputs[0];
-    check_list_size(ins, "reduce_scatter", "input");
-    for (const at::Tensor& i : ins) {
-      check_defined(i, "reduce_scatter");
-      check_same_dtype(out, i);
-      check_same_numel(out, i, "reduce_scatter", "an input tensor");
-    }
+    check_tensor_list("reduce_scatter", ins, out, "input");
+    for (const at::Tensor& i : ins) check_same_numel(out, i, "reduce_scatter", "an input tensor");
     check_reduce_dtype(opts.op, out.scalar_type());
     ReduceOp op = opts.op;
     return enqueue("reduce_scatter", opts.timeout,
@@ -487,8 +453,8 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                               const ReduceScatterOptions& opts = {}) override {
-    check_defined(input, "reduce_scatter_tensor");
-    check_defined(output, "reduce_scatter_tensor");
+    check_cpu_tensor("reduce_scatter_tensor", input);
+    check_cpu_tensor("reduce_scatter_tensor", output, 0, "output");
     check_same_dtype(output, input);
     if (input.numel() != output.numel() * size()) {
       throw std::invalid_argument(
@@ -517,11 +483,11 @@ class DistrpcBackend final : public Backend {
                                       std::vector<std::int64_t> output_split_sizes,
                                       std::vector<std::int64_t> input_split_sizes,
                                       const AllToAllOptions& opts = {}) override {
-    check_defined(input, "alltoall_base");
-    check_defined(output, "alltoall_base");
+    check_cpu_tensor("alltoall_base", input);
+    check_cpu_tensor("alltoall_base", output, 0, "output");
     check_same_dtype(output, input);
-    const auto in_rows = splits(input, input_split_sizes, "input");
-    const auto out_rows = splits(output, output_split_sizes, "output");
+    const auto in_rows = split_rows("alltoall_base", "input", input, input_split_sizes);
+    const auto out_rows = split_rows("alltoall_base", "output", output, output_split_sizes);
     at::Tensor in = input;
     at::Tensor out = output;
     return enqueue("alltoall_base", opts.timeout, fingerprint("ALLTOALL_BASE", {in}, ""),
@@ -547,16 +513,9 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                  const AllToAllOptions& opts = {}) override {
-    check_list_size(outputs, "alltoall", "output");
-    check_list_size(inputs, "alltoall", "input");
-    for (const at::Tensor& t : inputs) {
-      check_defined(t, "alltoall");
-      check_same_dtype(inputs.front(), t);
-    }
-    for (const at::Tensor& t : outputs) {
-      check_defined(t, "alltoall");
-      check_same_dtype(inputs.front(), t);
-    }
+    // An empty list fails the count check before its first element is read.
+    check_tensor_list("alltoall", inputs, inputs.empty() ? at::Tensor() : inputs.front(), "input");
+    check_tensor_list("alltoall", outputs, inputs.front(), "output");
     std::vector<at::Tensor> ins = inputs;
     std::vector<at::Tensor> outs = outputs;
     return enqueue("alltoall", opts.timeout, fingerprint("ALLTOALL", ins, ""),
@@ -584,16 +543,13 @@ class DistrpcBackend final : public Backend {
   // ---- point to point ---------------------------------------------------------------------
 
   std::shared_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
-    at::Tensor t = single(tensors, "send");
-    if (dst_rank == rank()) {
-      throw std::invalid_argument(
-          "Invalid destination rank: destination rank should not be the same as the rank of the "
-          "current process.");
-    }
-    check_peer(dst_rank, "send", "destination");
+    at::Tensor t = check_single_tensor("send", tensors);
+    check_peer("send", "destination", dst_rank);
     check_tag(tag, "send");
-    // Copied now if not contiguous, so the thread that sends owns bytes in the right order.
-    auto work = std::make_shared<Work>("send", static_cast<std::int64_t>(next_sequence_number()));
+    // Copied now if not contiguous, so the thread that sends owns bytes in the right order. No
+    // sequence number (-1): members send and receive different counts, and the group's number
+    // must stay equal on every member (PyTorch's rule).
+    auto work = std::make_shared<Work>("send", -1);
     P2PSend s{work, t.contiguous(), dst_rank, tag};
     {
       std::lock_guard<std::mutex> lk(p2p_mu_);
@@ -605,19 +561,14 @@ class DistrpcBackend final : public Backend {
   }
 
   std::shared_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
-    at::Tensor t = single(tensors, "recv");
-    if (src_rank == rank()) {
-      throw std::invalid_argument(
-          "Invalid source rank: source rank should not be the same as the rank of the current "
-          "process.");
-    }
-    check_peer(src_rank, "recv", "source");
+    at::Tensor t = check_single_tensor("recv", tensors);
+    check_peer("recv", "source", src_rank);
     check_tag(tag, "recv");
     return post_recv(t, src_rank, tag, "recv");
   }
 
   std::shared_ptr<Work> recv_anysource(std::vector<at::Tensor>& tensors, int tag) override {
-    at::Tensor t = single(tensors, "recv_anysource");
+    at::Tensor t = check_single_tensor("recv_anysource", tensors);
     check_tag(tag, "recv_anysource");
     return post_recv(t, -1, tag, "recv_anysource");
   }
@@ -635,8 +586,23 @@ class DistrpcBackend final : public Backend {
       stopping_ = true;
       stopping_flag_.store(true, std::memory_order_release);
     }
+    std::thread watchdog;
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      watch_stop_ = true;
+      watchdog.swap(watchdog_);
+    }
+    watch_cv_.notify_all();
     cv_.notify_all();
     p2p_cv_.notify_all();
+    // The watchdog completes Works (user callbacks may run on it): detached if this is it.
+    if (watchdog.joinable()) {
+      if (watchdog.get_id() == std::this_thread::get_id()) {
+        watchdog.detach();
+      } else {
+        watchdog.join();
+      }
+    }
     // The transport first: a thread blocked in send() (back-pressure) returns with an error.
     ctx_->shutdown();
     // A Work callback that shuts the backend down runs on one of these threads: it cannot join
@@ -669,6 +635,11 @@ class DistrpcBackend final : public Backend {
     Op op;
     std::string fingerprint;
     std::function<std::vector<at::Tensor>(Op&)> body;
+  };
+  struct CallDeadline {
+    std::weak_ptr<Work> work;
+    Op op;
+    std::chrono::milliseconds requested;
   };
   struct Key {
     int src;
@@ -703,30 +674,6 @@ class DistrpcBackend final : public Backend {
 
   // ---- input checks (on the caller's thread, before anything is queued) ----
 
-  at::Tensor single(const std::vector<at::Tensor>& tensors, const char* op) const {
-    if (tensors.size() != 1) {
-      throw std::invalid_argument(std::string(op) +
-                                  ": the distrpc backend takes exactly one tensor per call, got " +
-                                  std::to_string(tensors.size()));
-    }
-    check_defined(tensors[0], op);
-    return tensors[0];
-  }
-  static void check_defined(const at::Tensor& t, const char* op) {
-    if (!t.defined()) throw std::invalid_argument(std::string(op) + ": a tensor is undefined");
-    if (!t.device().is_cpu()) {
-      throw std::invalid_argument(std::string(op) +
-                                  ": the distrpc backend serves CPU tensors only, got one on " +
-                                  t.device().str());
-    }
-  }
-  static void check_same_dtype(const at::Tensor& a, const at::Tensor& b) {
-    if (a.scalar_type() != b.scalar_type()) {
-      throw std::invalid_argument(
-          std::string("Invalid usage of tensors with different dtypes Found ") +
-          c10::toString(a.scalar_type()) + " and " + c10::toString(b.scalar_type()));
-    }
-  }
   static void check_same_numel(const at::Tensor& a, const at::Tensor& b, const char* op,
                                const char* what) {
     if (a.numel() != b.numel()) {
@@ -735,72 +682,12 @@ class DistrpcBackend final : public Backend {
                                   std::to_string(a.numel()));
     }
   }
-  void check_list_size(const std::vector<at::Tensor>& v, const char* op, const char* what) const {
-    if (static_cast<int>(v.size()) != size()) {
-      throw std::invalid_argument(std::string(op) + ": expected " + std::to_string(size()) + " " +
-                                  what + " tensors (one per rank), got " +
-                                  std::to_string(v.size()));
-    }
-  }
-  void check_root(int root, const char* op) const {
-    if (root < 0 || root >= size()) {
-      throw std::invalid_argument(std::string(op) + ": invalid root rank " + std::to_string(root) +
-                                  " (the group has " + std::to_string(size()) + " members)");
-    }
-  }
-  static void check_root_tensor(int root_tensor, const char* op) {
-    if (root_tensor != 0) {
-      throw std::invalid_argument(std::string(op) + ": invalid root tensor " +
-                                  std::to_string(root_tensor) + " (one tensor per call)");
-    }
-  }
-  void check_peer(int peer, const char* op, const char* role) const {
-    if (peer < 0 || peer >= size()) {
-      throw std::invalid_argument(std::string(op) + ": invalid " + role + " rank " +
-                                  std::to_string(peer) + " (the group has " +
-                                  std::to_string(size()) + " members)");
-    }
-  }
   static void check_tag(int tag, const char* op) {
     if (tag < 0) {
       throw std::invalid_argument(std::string(op) + ": the tag must not be negative, got " +
                                   std::to_string(tag));
     }
   }
-  std::vector<std::int64_t> splits(const at::Tensor& t, const std::vector<std::int64_t>& sizes,
-                                   const char* what) const {
-    const std::int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    std::vector<std::int64_t> out;
-    if (sizes.empty()) {
-      if (rows % size() != 0) {
-        throw std::invalid_argument("alltoall_base: the " + std::string(what) + " has " +
-                                    std::to_string(rows) + " rows, not divisible by the " +
-                                    std::to_string(size()) + " ranks (give split sizes)");
-      }
-      out.assign(static_cast<std::size_t>(size()), rows / size());
-      return out;
-    }
-    if (static_cast<int>(sizes.size()) != size()) {
-      throw std::invalid_argument("alltoall_base: " + std::string(what) + " split sizes has " +
-                                  std::to_string(sizes.size()) + " entries, expected " +
-                                  std::to_string(size()));
-    }
-    std::int64_t sum = 0;
-    for (std::int64_t s : sizes) {
-      if (s < 0) {
-        throw std::invalid_argument("alltoall_base: a negative " + std::string(what) +
-                                    " split size " + std::to_string(s));
-      }
-      sum += s;
-    }
-    if (sum != rows) {
-      throw std::invalid_argument("alltoall_base: the " + std::string(what) +
-                                  " split sizes add up to " + std::to_string(sum) +
-                                  " but the tensor has " + std::to_string(rows) + " rows");
-    }
-    return sizes;
-  }
-
   // The DETAIL fingerprint (PyTorch's CollectiveFingerPrint): op, dtypes and shapes. The sequence
   // number is added when the collective is numbered.
   std::string fingerprint(const char* op, const std::vector<at::Tensor>& ts,
@@ -835,11 +722,12 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> enqueue(const char* name, std::chrono::milliseconds requested,
                                 std::string fp, std::function<std::vector<at::Tensor>(Op&)> body) {
-    if (requested != kUnsetTimeout && requested <= std::chrono::milliseconds::zero()) {
-      throw std::invalid_argument(std::string(name) + ": the timeout must be positive, got " +
-                                  std::to_string(requested.count()) + " ms");
-    }
-    const std::chrono::milliseconds timeout = timeout_for(requested);
+    check_call_timeout(name, requested);
+    // The executor runs the collective until the group's timeout (or the call's, if longer): a
+    // shorter call timeout fails only the caller's Work (the watchdog below), so a member that is
+    // merely late does not leave the members' message streams out of step.
+    const std::chrono::milliseconds run_for = std::max(timeout(), timeout_for(requested));
+    const bool call_deadline = requested != kUnsetTimeout && requested < timeout();
     std::shared_ptr<Work> work;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -854,12 +742,66 @@ class DistrpcBackend final : public Backend {
         distrpc::detail::set_wait_driver(work->get_future(),
                                          std::weak_ptr<distrpc::detail::WaitDriver>(spin_driver_));
       }
-      Op op{name, ++coll_count_, seq, Clock::now() + timeout, timeout};
+      Op op{name, ++coll_count_, seq, Clock::now() + run_for, run_for};
+      if (call_deadline) arm_call_deadline(work, op, requested);
       tasks_.push_back(Task{work, op, std::move(fp), std::move(body)});
       queued_.fetch_add(1, std::memory_order_acq_rel);
     }
     cv_.notify_all();
     return work;
+  }
+
+  // ---- per-call timeouts (the watchdog) ----
+
+  // With mu_ held. The caller's Work fails `requested` from now; the collective itself goes on
+  // (its results may still land in the caller's tensors afterwards, as with the gloo backend).
+  void arm_call_deadline(const std::shared_ptr<Work>& work, const Op& op,
+                         std::chrono::milliseconds requested) {
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch_loop(); });
+      call_deadlines_.emplace(Clock::now() + requested, CallDeadline{work, op, requested});
+    }
+    watch_cv_.notify_all();
+  }
+
+  // Fails the Works whose call timeout passed; the text is made under mu_ (it reads who was
+  // heard from), the Works fail with no lock held.
+  void watch_loop() {
+    std::unique_lock<std::mutex> lk(watch_mu_);
+    while (!watch_stop_) {
+      if (call_deadlines_.empty()) {
+        watch_cv_.wait(lk);
+        continue;
+      }
+      if (Clock::now() < call_deadlines_.begin()->first) {
+        watch_cv_.wait_until(lk, call_deadlines_.begin()->first);
+        continue;
+      }
+      std::vector<CallDeadline> due;
+      while (!call_deadlines_.empty() && call_deadlines_.begin()->first <= Clock::now()) {
+        due.push_back(std::move(call_deadlines_.begin()->second));
+        call_deadlines_.erase(call_deadlines_.begin());
+      }
+      lk.unlock();
+      for (CallDeadline& d : due) {
+        auto work = d.work.lock();
+        if (!work || work->is_completed()) continue;
+        std::string text;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          const std::string missing = missing_ranks(d.op.coll);
+          text = "DistrpcBackend: Timeout: " + d.op.what() + " on rank " + std::to_string(rank()) +
+                 " timed out after " + std::to_string(d.requested.count()) + " ms; " +
+                 (missing.empty() ? std::string("every rank was heard from, still running")
+                                  : "nothing heard for it from rank(s) " + missing) +
+                 " (it goes on until the group's timeout of " +
+                 std::to_string(d.op.timeout.count()) + " ms)";
+        }
+        work->finish_error(std::make_exception_ptr(DistBackendError(text)));
+      }
+      lk.lock();
+    }
   }
 
   void executor_loop() {
@@ -1020,15 +962,21 @@ class DistrpcBackend final : public Backend {
     }
   }
 
-  // Called with mu_ held.
-  std::string timeout_text(const Op& o, int waiting_for) const {
+  // With mu_ held: the other ranks no message of collective coll came from ("1, 3").
+  std::string missing_ranks(std::uint64_t coll) const {
     std::string missing;
-    const auto heard = heard_.find(o.coll);
+    const auto heard = heard_.find(coll);
     for (int q = 0; q < size(); ++q) {
       if (q == rank()) continue;
       if (heard != heard_.end() && heard->second.count(q) != 0) continue;
       missing += (missing.empty() ? "" : ", ") + std::to_string(q);
     }
+    return missing;
+  }
+
+  // Called with mu_ held.
+  std::string timeout_text(const Op& o, int waiting_for) const {
+    const std::string missing = missing_ranks(o.coll);
     std::string text = "DistrpcBackend: Timeout: " + o.what() + " on rank " +
                        std::to_string(rank()) + " did not complete within " +
                        std::to_string(o.timeout.count()) + " ms; ";
@@ -1402,7 +1350,7 @@ class DistrpcBackend final : public Backend {
   // ---- point to point ----
 
   std::shared_ptr<Work> post_recv(const at::Tensor& t, int src, int tag, const char* name) {
-    auto work = std::make_shared<Work>(name, static_cast<std::int64_t>(next_sequence_number()));
+    auto work = std::make_shared<Work>(name, -1);  // no sequence number: see send()
     {
       std::lock_guard<std::mutex> lk(p2p_mu_);
       if (stopping_)
@@ -1576,6 +1524,14 @@ class DistrpcBackend final : public Backend {
 
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
+
+  // Per-call timeouts, under watch_mu_ (taken after mu_, never before it: arm_call_deadline runs
+  // with mu_ held, watch_loop takes mu_ only with watch_mu_ released).
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::multimap<Clock::time_point, CallDeadline> call_deadlines_;
+  bool watch_stop_ = false;
+  std::thread watchdog_;  // started by the first call with its own timeout
 
   std::shared_ptr<detail::SpinWaitDriver> spin_driver_;  // null when wait_spin is 0
   std::unique_ptr<typename T::Context> ctx_;

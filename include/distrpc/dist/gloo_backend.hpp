@@ -252,7 +252,7 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                   const BroadcastOptions& opts = {}) override {
-    const at::Tensor& t = single("broadcast", tensors);
+    const at::Tensor& t = check_single_tensor("broadcast", tensors);
     check_root("broadcast", opts.root_rank);
     check_root_tensor("broadcast", opts.root_tensor);
     auto staged = detail::gloo_stage_move(t);
@@ -269,7 +269,7 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
                                   const AllreduceOptions& opts = {}) override {
-    const at::Tensor& t = single("allreduce", tensors);
+    const at::Tensor& t = check_single_tensor("allreduce", tensors);
     check_reduce_dtype(opts.op, t.scalar_type());
     auto staged = detail::gloo_stage_reduce(t, opts.op);
     c10d::AllreduceOptions c;
@@ -290,13 +290,13 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                             const AllreduceCoalescedOptions& opts = {}) override {
     if (tensors.empty()) {
-      throw std::invalid_argument("GlooBackend allreduce_coalesced: the tensor list is empty");
+      throw std::invalid_argument("allreduce_coalesced: the tensor list is empty");
     }
     std::vector<detail::GlooStaged> staged;
     std::vector<at::Tensor> wire;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
-      check_tensor("allreduce_coalesced", tensors[i], i);
-      check_same_dtype("allreduce_coalesced", tensors[0], tensors[i]);
+      check_cpu_tensor("allreduce_coalesced", tensors[i], i);
+      check_same_dtype(tensors[0], tensors[i]);
       check_reduce_dtype(opts.op, tensors[i].scalar_type());
       staged.push_back(detail::gloo_stage_reduce(tensors[i], opts.op));
       wire.push_back(staged.back().wire);
@@ -320,7 +320,7 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
                                const ReduceOptions& opts = {}) override {
-    const at::Tensor& t = single("reduce", tensors);
+    const at::Tensor& t = check_single_tensor("reduce", tensors);
     check_root("reduce", opts.root_rank);
     check_root_tensor("reduce", opts.root_tensor);
     check_reduce_dtype(opts.op, t.scalar_type());
@@ -348,11 +348,8 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs,
                                   const AllgatherOptions& opts = {}) override {
-    const at::Tensor& in = single("allgather", inputs);
-    if (outputs.size() != 1) {
-      throw std::invalid_argument("GlooBackend allgather: expects one output list, got " +
-                                  std::to_string(outputs.size()));
-    }
+    const at::Tensor& in = check_single_tensor("allgather", inputs);
+    check_one_list("allgather", outputs.size(), "output");
     auto staged = stage_list("allgather", outputs[0], in, "output");
     if (in.numel() == 0) return without_data("allgather", outputs[0]);
     std::vector<std::vector<at::Tensor>> wire_out{wires(staged)};
@@ -370,9 +367,9 @@ class GlooBackend : public Backend {
   // Composed: allgather into the slices of one contiguous buffer, copied into output.
   std::shared_ptr<Work> allgather_into_tensor(at::Tensor& output, at::Tensor& input,
                                               const AllgatherOptions& opts = {}) override {
-    check_tensor("allgather_into_tensor", input, 0);
-    check_tensor("allgather_into_tensor", output, 0, "output");
-    check_same_dtype("allgather_into_tensor", output, input);
+    check_cpu_tensor("allgather_into_tensor", input, 0);
+    check_cpu_tensor("allgather_into_tensor", output, 0, "output");
+    check_same_dtype(output, input);
     if (output.numel() != input.numel() * size()) {
       throw std::invalid_argument(
           "GlooBackend allgather_into_tensor: the output must have size() times the input's "
@@ -398,24 +395,17 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                std::vector<at::Tensor>& inputs,
                                const GatherOptions& opts = {}) override {
-    const at::Tensor& in = single("gather", inputs);
+    const at::Tensor& in = check_single_tensor("gather", inputs);
     check_root("gather", opts.root_rank);
     const bool is_root = opts.root_rank == rank();
     std::vector<detail::GlooStaged> staged;
     std::vector<std::vector<at::Tensor>> wire_out;
     std::vector<at::Tensor> users;
+    check_root_lists("gather", outputs, opts.root_rank, "output");
     if (is_root) {
-      if (outputs.size() != 1) {
-        throw std::invalid_argument("GlooBackend gather: the root expects one output list, got " +
-                                    std::to_string(outputs.size()));
-      }
       staged = stage_list("gather", outputs[0], in, "output");
       wire_out.push_back(wires(staged));
       users = outputs[0];
-    } else if (!outputs.empty() && !outputs[0].empty()) {
-      throw std::invalid_argument(
-          "GlooBackend gather: only the root (rank " + std::to_string(opts.root_rank) +
-          ") passes output tensors; rank " + std::to_string(rank()) + " passed some");
     }
     if (in.numel() == 0) return without_data("gather", users);
     std::vector<at::Tensor> wire_in{detail::gloo_stage_move(in).wire};
@@ -432,21 +422,14 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
                                 std::vector<std::vector<at::Tensor>>& inputs,
                                 const ScatterOptions& opts = {}) override {
-    const at::Tensor& out = single("scatter", outputs, "output");
+    const at::Tensor& out = check_single_tensor("scatter", outputs, "output");
     check_root("scatter", opts.root_rank);
     const bool is_root = opts.root_rank == rank();
     std::vector<std::vector<at::Tensor>> wire_in;
+    check_root_lists("scatter", inputs, opts.root_rank, "input");
     if (is_root) {
-      if (inputs.size() != 1) {
-        throw std::invalid_argument("GlooBackend scatter: the root expects one input list, got " +
-                                    std::to_string(inputs.size()));
-      }
       auto staged = stage_list("scatter", inputs[0], out, "input");
       wire_in.push_back(wires(staged));
-    } else if (!inputs.empty() && !inputs[0].empty()) {
-      throw std::invalid_argument("GlooBackend scatter: only the root (rank " +
-                                  std::to_string(opts.root_rank) + ") passes input tensors; rank " +
-                                  std::to_string(rank()) + " passed some");
     }
     if (out.numel() == 0) return without_data("scatter", {out});
     auto staged_out = detail::gloo_stage_move(out);
@@ -466,25 +449,13 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                        std::vector<std::vector<at::Tensor>>& inputs,
                                        const ReduceScatterOptions& opts = {}) override {
-    const at::Tensor& out = single("reduce_scatter", outputs, "output");
-    if (inputs.size() != 1) {
-      throw std::invalid_argument("GlooBackend reduce_scatter: expects one input list, got " +
-                                  std::to_string(inputs.size()));
-    }
+    const at::Tensor& out = check_single_tensor("reduce_scatter", outputs, "output");
+    check_one_list("reduce_scatter", inputs.size(), "input");
     auto& list = inputs[0];
-    if (list.size() != static_cast<std::size_t>(size())) {
-      throw std::invalid_argument("GlooBackend reduce_scatter: expects " + std::to_string(size()) +
-                                  " inputs (one per rank), got " + std::to_string(list.size()));
-    }
+    check_tensor_list("reduce_scatter", list, out, "input");
     std::vector<at::Tensor> flat;
     for (std::size_t i = 0; i < list.size(); ++i) {
-      check_tensor("reduce_scatter", list[i], i);
-      check_same_dtype("reduce_scatter", out, list[i]);
-      if (list[i].sizes() != out.sizes()) {
-        throw std::invalid_argument("GlooBackend reduce_scatter: input " + std::to_string(i) +
-                                    " has shape " + c10::str(list[i].sizes()) +
-                                    " but the output has shape " + c10::str(out.sizes()));
-      }
+      check_same_shape("reduce_scatter", list[i], i, out, "input");
       flat.push_back(list[i].reshape({-1}));
     }
     return reduce_scatter_flat("reduce_scatter", out, at::cat(flat), opts);
@@ -492,9 +463,9 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                               const ReduceScatterOptions& opts = {}) override {
-    check_tensor("reduce_scatter_tensor", input, 0);
-    check_tensor("reduce_scatter_tensor", output, 0, "output");
-    check_same_dtype("reduce_scatter_tensor", output, input);
+    check_cpu_tensor("reduce_scatter_tensor", input, 0);
+    check_cpu_tensor("reduce_scatter_tensor", output, 0, "output");
+    check_same_dtype(output, input);
     if (input.numel() != output.numel() * size()) {
       throw std::invalid_argument(
           "GlooBackend reduce_scatter_tensor: the input must have size() times the output's "
@@ -508,11 +479,11 @@ class GlooBackend : public Backend {
                                       std::vector<std::int64_t> output_split_sizes,
                                       std::vector<std::int64_t> input_split_sizes,
                                       const AllToAllOptions& opts = {}) override {
-    check_tensor("alltoall_base", input, 0);
-    check_tensor("alltoall_base", output, 0, "output");
-    check_same_dtype("alltoall_base", output, input);
-    check_splits("alltoall_base", "output", output, output_split_sizes);
-    check_splits("alltoall_base", "input", input, input_split_sizes);
+    check_cpu_tensor("alltoall_base", input, 0);
+    check_cpu_tensor("alltoall_base", output, 0, "output");
+    check_same_dtype(output, input);
+    (void)split_rows("alltoall_base", "output", output, output_split_sizes);
+    (void)split_rows("alltoall_base", "input", input, input_split_sizes);
     auto staged_out = detail::gloo_stage_move(output);
     at::Tensor wire_in = detail::gloo_stage_move(input).wire;
     at::Tensor wire_out = staged_out.wire;
@@ -533,21 +504,14 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                  const AllToAllOptions& opts = {}) override {
     const auto n = static_cast<std::size_t>(size());
-    if (inputs.size() != n || outputs.size() != n) {
-      throw std::invalid_argument("GlooBackend alltoall: expects " + std::to_string(n) +
-                                  " inputs and outputs (one per rank), got " +
-                                  std::to_string(inputs.size()) + " and " +
-                                  std::to_string(outputs.size()));
-    }
+    // An empty list fails the count check before its first element is read.
+    check_tensor_list("alltoall", inputs, inputs.empty() ? at::Tensor() : inputs.front(), "input");
+    check_tensor_list("alltoall", outputs, inputs.front(), "output");
     std::vector<at::Tensor> flat_in;
     std::vector<std::int64_t> in_splits;
     std::vector<std::int64_t> out_splits;
     std::vector<at::Tensor> targets;
     for (std::size_t i = 0; i < n; ++i) {
-      check_tensor("alltoall", inputs[i], i);
-      check_tensor("alltoall", outputs[i], i, "output");
-      check_same_dtype("alltoall", inputs[0], inputs[i]);
-      check_same_dtype("alltoall", inputs[0], outputs[i]);
       at::Tensor in = detail::gloo_movable_view(inputs[i]).reshape({-1});
       flat_in.push_back(in);
       in_splits.push_back(in.numel());
@@ -574,7 +538,7 @@ class GlooBackend : public Backend {
   }
 
   std::shared_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
-    const at::Tensor& t = single("send", tensors);
+    const at::Tensor& t = check_single_tensor("send", tensors);
     check_peer("send", "destination", dst_rank);
     std::vector<at::Tensor> wire{detail::gloo_stage_move(t).wire};
     at::Tensor user = t;
@@ -584,7 +548,7 @@ class GlooBackend : public Backend {
   }
 
   std::shared_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
-    const at::Tensor& t = single("recv", tensors);
+    const at::Tensor& t = check_single_tensor("recv", tensors);
     check_peer("recv", "source", src_rank);
     auto staged = detail::gloo_stage_move(t);
     std::vector<at::Tensor> wire{staged.wire};
@@ -599,7 +563,7 @@ class GlooBackend : public Backend {
   }
 
   std::shared_ptr<Work> recv_anysource(std::vector<at::Tensor>& tensors, int tag) override {
-    const at::Tensor& t = single("recv_anysource", tensors);
+    const at::Tensor& t = check_single_tensor("recv_anysource", tensors);
     auto staged = detail::gloo_stage_move(t);
     std::vector<at::Tensor> wire{staged.wire};
     at::Tensor user = t;
@@ -690,121 +654,23 @@ class GlooBackend : public Backend {
     }
   }
 
-  static void check_tensor(const char* op, const at::Tensor& t, std::size_t index,
-                           const char* what = "input") {
-    const std::string which = std::string(what) + " " + std::to_string(index);
-    if (!t.defined()) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which +
-                                  " is undefined");
-    }
-    if (!t.device().is_cpu()) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which + " is on " +
-                                  t.device().str() + "; this backend serves cpu tensors");
-    }
-    if (t.layout() != at::kStrided) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which +
-                                  " is not a dense (strided) tensor");
-    }
-  }
-
-  static const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors,
-                                  const char* what = "input") {
-    if (tensors.size() != 1) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": expects exactly one " +
-                                  what + " tensor, got " + std::to_string(tensors.size()));
-    }
-    check_tensor(op, tensors[0], 0, what);
-    return tensors[0];
-  }
-
-  // PyTorch's text (the front end's too), so a caller sees one message for this mistake.
-  static void check_same_dtype(const char* op, const at::Tensor& a, const at::Tensor& b) {
-    (void)op;
-    if (a.scalar_type() != b.scalar_type()) {
-      throw std::invalid_argument(
-          std::string("Invalid usage of tensors with different dtypes Found ") +
-          c10::toString(a.scalar_type()) + " and " + c10::toString(b.scalar_type()));
-    }
-  }
-
-  void check_root(const char* op, int root) const {
-    if (root < 0 || root >= size()) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": root rank " +
-                                  std::to_string(root) + " is outside the group of size " +
-                                  std::to_string(size()));
-    }
-  }
-
-  static void check_root_tensor(const char* op, int root_tensor) {
-    if (root_tensor != 0) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op +
-                                  ": root tensor must be 0 (one tensor per call), got " +
-                                  std::to_string(root_tensor));
-    }
-  }
-
-  void check_peer(const char* op, const char* role, int peer) const {
-    if (peer < 0 || peer >= size()) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + role + " rank " +
-                                  std::to_string(peer) + " is outside the group of size " +
-                                  std::to_string(size()));
-    }
-    if (peer == rank()) {
-      // PyTorch's text: a member does not message itself.
-      throw std::invalid_argument(std::string("Invalid ") + role + " rank: " + role +
-                                  " rank should not be the same as the rank of the current "
-                                  "process.");
-    }
-  }
-
-  void check_splits(const char* op, const char* which, const at::Tensor& t,
-                    const std::vector<std::int64_t>& splits) const {
-    if (splits.empty()) {
-      if (t.dim() == 0 || t.size(0) % size() != 0) {
-        throw std::invalid_argument(std::string("GlooBackend ") + op + ": the " + which +
-                                    "'s first dimension must divide evenly among " +
-                                    std::to_string(size()) + " ranks");
-      }
-      return;
-    }
-    if (splits.size() != static_cast<std::size_t>(size())) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which +
-                                  " split sizes name " + std::to_string(splits.size()) +
-                                  " ranks, the group has " + std::to_string(size()));
-    }
-    std::int64_t sum = 0;
-    for (auto s : splits) {
-      if (s < 0) {
-        throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which +
-                                    " split sizes must not be negative, got " + std::to_string(s));
-      }
-      sum += s;
-    }
-    if (t.dim() == 0 || sum != t.size(0)) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + which +
-                                  " split sizes add up to " + std::to_string(sum) +
-                                  " but its first dimension is " +
-                                  std::to_string(t.dim() == 0 ? 0 : t.size(0)));
+  // reduce_scatter's inputs and the gathers' lists: shaped as like (gloo moves whole tensors).
+  static void check_same_shape(const char* op, const at::Tensor& t, std::size_t index,
+                               const at::Tensor& like, const char* what) {
+    if (t.sizes() != like.sizes()) {
+      throw std::invalid_argument(std::string(op) + ": " + what + " " + std::to_string(index) +
+                                  " has shape " + c10::str(t.sizes()) + ", expected " +
+                                  c10::str(like.sizes()));
     }
   }
 
   // One staged tensor per rank, each shaped and typed as like.
   std::vector<detail::GlooStaged> stage_list(const char* op, const std::vector<at::Tensor>& list,
                                              const at::Tensor& like, const char* what) const {
-    if (list.size() != static_cast<std::size_t>(size())) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op + ": expects " +
-                                  std::to_string(size()) + " " + what +
-                                  " tensors (one per rank), got " + std::to_string(list.size()));
-    }
+    check_tensor_list(op, list, like, what);
     std::vector<detail::GlooStaged> staged;
     for (std::size_t i = 0; i < list.size(); ++i) {
-      check_tensor(op, list[i], i, what);
-      check_same_dtype(op, like, list[i]);
-      if (list[i].sizes() != like.sizes()) {
-        throw std::invalid_argument(std::string("GlooBackend ") + op + ": " + what + " " +
-                                    std::to_string(i) + " has shape " + c10::str(list[i].sizes()) +
-                                    ", expected " + c10::str(like.sizes()));
-      }
+      check_same_shape(op, list[i], i, like, what);
       staged.push_back(detail::gloo_stage_move(list[i]));
     }
     return staged;
@@ -858,7 +724,7 @@ class GlooBackend : public Backend {
   std::shared_ptr<Work> collective(const char* op, std::chrono::milliseconds timeout, Start&& start,
                                    Done done) {
     check_running(op);
-    check_timeout(op, timeout);
+    check_call_timeout(op, timeout);
     c10::intrusive_ptr<c10d::Work> cw;
     try {
       cw = start();
@@ -949,14 +815,6 @@ class GlooBackend : public Backend {
     work.finish(std::move(outs));
   }
 
-  static void check_timeout(const char* op, std::chrono::milliseconds t) {
-    if (t != kUnsetTimeout && t <= std::chrono::milliseconds::zero()) {
-      throw std::invalid_argument(std::string("GlooBackend ") + op +
-                                  ": the timeout must be positive, got " +
-                                  std::to_string(t.count()) + " ms");
-    }
-  }
-
   // Remembers pending work (for shutdown) and arms the per-call deadline, if the call has one.
   void track(const std::shared_ptr<Work>& work, const char* op, std::chrono::milliseconds t) {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -974,7 +832,7 @@ class GlooBackend : public Backend {
     state_->deadlines.emplace(
         Clock::now() + t,
         std::make_pair(std::weak_ptr<Work>(work),
-                       "GlooBackend " + std::string(op) + " (sequence number " +
+                       "GlooBackend: Timeout: " + std::string(op) + " (sequence number " +
                            std::to_string(work->sequence_number()) + ") timed out after " +
                            std::to_string(t.count()) + " ms"));
     if (!state_->watchdog.joinable()) {
