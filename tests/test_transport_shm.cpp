@@ -213,7 +213,7 @@ TEST_CASE("shm: a 64 MiB tensor makes round trips intact, reusing its segments")
 TEST_CASE("shm: tensors the receiver holds keep their bytes while the sender goes on") {
   Node a(0), b(1);
   introduce(a, 0, b, 1);
-  // Twelve 1 MiB messages held by the receiver: more than the sender's cache (4 segments), so the
+  // Twelve 1 MiB messages held by the receiver: more than the sender's cache (8 segments), so the
   // later ones use one-shot segments; none may be overwritten while held.
   constexpr int kHeld = 12;
   for (int i = 0; i < kHeld; ++i) {
