@@ -41,6 +41,7 @@
 #endif
 
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 using distrpc::dist::Backend;
 using distrpc::dist::ReduceOp;
@@ -86,15 +87,7 @@ std::shared_ptr<Backend> make_backend(const BackendUnderTest& b,
   return backend;
 }
 
-template <class E, class F>
-std::string error_text(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using distrpc::testing::error_text;
 
 // Waits (bounded) and returns (a copy of) the work's outputs, which the work owns.
 std::vector<at::Tensor> done(const std::shared_ptr<Work>& w) {

@@ -20,20 +20,13 @@
 #include <distrpc/dist/reduce_op.hpp>
 #include <distrpc/dist/work.hpp>
 #include <distrpc/wire.hpp>
+#include "support/error_text.hpp"
 
 using distrpc::dist::ReduceOp;
 
 namespace {
 
-template <class E, class F>
-std::string error_text(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using distrpc::testing::error_text;
 
 // at::tensor has no bool overload on libtorch 1.13.
 at::Tensor bools(std::initializer_list<bool> v) {

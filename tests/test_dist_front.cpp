@@ -26,6 +26,7 @@
 #include "distrpc/log.hpp"
 #include "distrpc/store/hash_store.hpp"
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 namespace dist = distrpc::dist;
 using distrpc::testing::run_ranks;
@@ -34,15 +35,7 @@ using std::chrono::milliseconds;
 
 namespace {
 
-template <class E, class F>
-std::string error_text(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using distrpc::testing::error_text;
 
 bool same(const at::Tensor& a, const at::Tensor& b) {
   return at::equal(a, b);

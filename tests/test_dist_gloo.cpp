@@ -23,6 +23,7 @@
 #include "distrpc/store/hash_store.hpp"
 #include "distrpc/store/tcp_store.hpp"
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 using distrpc::dist::detail::C10dStoreAdapter;
 using distrpc::store::Bytes;
@@ -38,15 +39,7 @@ std::string message_of(const c10::Error& e) {
   return e.msg();
 }
 
-template <class E, class F>
-std::string error_text(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using distrpc::testing::error_text;
 
 }  // namespace
 
