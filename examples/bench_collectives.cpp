@@ -235,24 +235,15 @@ int run_worker(const Args& a) {
 }
 
 int launch(const Args& a) {
-  std::string line;
-  const bool ok = distrpc_examples::run_local_group(
-      a.world, "collectives",
-      [&](const std::string& dir) {
-        std::vector<std::string> args{"--out",       dir + "/result.json",
-                                      "--backend",   a.backend,
-                                      "--transport", a.transport,
-                                      "--world",     std::to_string(a.world),
-                                      "--small",     std::to_string(a.small),
-                                      "--big",       std::to_string(a.big)};
-        if (a.gib) args.push_back("--gib");
-        return args;
-      },
-      [&](const std::string& dir) {
-        std::ifstream in(dir + "/result.json");
-        std::getline(in, line);
-      });
-  if (!ok || line.empty()) {
+  std::vector<std::string> args{"--backend",   a.backend,
+                                "--transport", a.transport,
+                                "--world",     std::to_string(a.world),
+                                "--small",     std::to_string(a.small),
+                                "--big",       std::to_string(a.big)};
+  if (a.gib) args.push_back("--gib");
+  const std::string line =
+      distrpc_examples::run_local_group_for_result(a.world, "collectives", args);
+  if (line.empty()) {
     std::fprintf(stderr, "bench_collectives: a rank failed\n");
     return 1;
   }

@@ -243,23 +243,12 @@ int run_worker(const Args& a) {
 }
 
 int launch(const Args& a) {
-  std::string line;
-  const bool ok = distrpc_examples::run_local_group(
+  const std::string line = distrpc_examples::run_local_group_for_result(
       2, "bench",
-      [&](const std::string& dir) {
-        return std::vector<std::string>{"--out",           dir + "/result.json",
-                                        "--transport",     a.transport,
-                                        "--small",         std::to_string(a.small),
-                                        "--big",           std::to_string(a.big),
-                                        "--async",         std::to_string(a.async_calls),
-                                        "--async-windows", std::to_string(a.async_windows),
-                                        "--sync-spin-us",  std::to_string(a.sync_spin_us)};
-      },
-      [&](const std::string& dir) {
-        std::ifstream in(dir + "/result.json");
-        std::getline(in, line);
-      });
-  if (!ok || line.empty()) {
+      {"--transport", a.transport, "--small", std::to_string(a.small), "--big",
+       std::to_string(a.big), "--async", std::to_string(a.async_calls), "--async-windows",
+       std::to_string(a.async_windows), "--sync-spin-us", std::to_string(a.sync_spin_us)});
+  if (line.empty()) {
     std::fprintf(stderr, "bench_rpc: a worker failed\n");
     return 1;
   }

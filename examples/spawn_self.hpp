@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -62,6 +63,25 @@ inline bool run_local_group(
   }
   remove_dir();
   return ok;
+}
+
+// A benchmark's group: every copy also gets "--out <dir>/result.json", where rank 0 writes its one
+// JSON line. Returns that line, or "" when a copy failed or wrote nothing.
+inline std::string run_local_group_for_result(int world, const std::string& name,
+                                              const std::vector<std::string>& args) {
+  std::string line;
+  const bool ok = run_local_group(
+      world, name,
+      [&](const std::string& dir) {
+        std::vector<std::string> all{"--out", dir + "/result.json"};
+        all.insert(all.end(), args.begin(), args.end());
+        return all;
+      },
+      [&](const std::string& dir) {
+        std::ifstream in(dir + "/result.json");
+        std::getline(in, line);
+      });
+  return ok ? line : std::string();
 }
 
 }  // namespace distrpc_examples
