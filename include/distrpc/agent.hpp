@@ -201,19 +201,34 @@ class RpcAgent : public AgentServices,
     return nullptr;
   }
 
-  // Encodes a call to worker `dst` (encode()) inside every layer's scope (e.g. RRefs among the
-  // arguments are forked to `dst`). Returns what undoes the layers' work if the message is never
-  // sent: empty when there is nothing to undo. If encode() throws, the layers undo their part.
-  std::function<void()> encode_for(int dst, FunctionRef<void()> encode) {
+  // What the layers attach to a call to worker `dst` made on this thread.
+  CallAttachments attach(int dst) {
+    CallAttachments out;
+    for (const auto& x : extensions_) x->attach(dst, out);
+    return out;
+  }
+  // Encodes a call to worker `dst` carrying `sent` (encode()) inside every layer's scope (e.g.
+  // RRefs among the arguments are forked to `dst`). Returns what undoes the layers' work if the
+  // message is never sent: empty when there is nothing to undo. If encode() throws, the layers
+  // undo their part.
+  std::function<void()> encode_for(int dst, const CallAttachments& sent,
+                                   FunctionRef<void()> encode) {
     std::vector<std::function<void()>> undo;
-    encode_in_layers(0, dst, encode, undo);
+    encode_in_layers(0, dst, sent, encode, undo);
     if (undo.empty()) return {};
     return [steps = std::move(undo)]() {
       for (const auto& u : steps) u();
     };
   }
-  // Decodes a reply from worker `from` (decode()) inside every layer's scope.
-  void decode_from(int from, FunctionRef<void()> decode) { decode_in_layers(0, from, decode); }
+  // Decodes the reply from worker `from` to a call that carried `sent` (decode()) inside every
+  // layer's scope.
+  void decode_from(int from, const CallAttachments& sent, FunctionRef<void()> decode) {
+    decode_in_layers(0, from, sent, decode);
+  }
+  // Encodes the reply to a request from `peer` that carried `got` inside every layer's scope.
+  void encode_reply(int peer, const CallAttachments& got, FunctionRef<void()> encode) {
+    encode_reply_in_layers(0, peer, got, encode);
+  }
 
   // Where user callbacks of the futures this agent hands out run: its callback pool.
   auto callback_executor() {
@@ -411,6 +426,18 @@ class RpcAgent : public AgentServices,
     return calls_.after(delay, std::move(fn));
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
+  CallAttachments host_attach(int dst) override { return attach(dst); }
+  std::shared_ptr<void> host_enter_request(int peer, const CallAttachments& got) override {
+    return std::make_shared<LayerScopes>(*this, peer, got);
+  }
+  void host_encode_reply(int peer, const CallAttachments& got,
+                         FunctionRef<void()> encode) override {
+    encode_reply(peer, got, encode);
+  }
+  void host_decode_reply(int from, const CallAttachments& sent,
+                         FunctionRef<void()> decode) override {
+    decode_from(from, sent, decode);
+  }
   detail::ExecutorFn host_user_executor() override { return callback_executor(); }
 
   // Before a thread sleeps waiting for `done` (a future this agent handed out, through
@@ -484,21 +511,32 @@ class RpcAgent : public AgentServices,
     kept->push_back(std::move(agent));
   }
 
-  void encode_in_layers(std::size_t i, int dst, FunctionRef<void()> encode,
-                        std::vector<std::function<void()>>& undo) {
+  void encode_in_layers(std::size_t i, int dst, const CallAttachments& sent,
+                        FunctionRef<void()> encode, std::vector<std::function<void()>>& undo) {
     if (i == extensions_.size()) {
       encode();
       return;
     }
     extensions_[i]->encode_for(
-        dst, [&] { encode_in_layers(i + 1, dst, encode, undo); }, undo);
+        dst, sent, [&] { encode_in_layers(i + 1, dst, sent, encode, undo); }, undo);
   }
-  void decode_in_layers(std::size_t i, int from, FunctionRef<void()> decode) {
+  void decode_in_layers(std::size_t i, int from, const CallAttachments& sent,
+                        FunctionRef<void()> decode) {
     if (i == extensions_.size()) {
       decode();
       return;
     }
-    extensions_[i]->decode_from(from, [&] { decode_in_layers(i + 1, from, decode); });
+    extensions_[i]->decode_from(from, sent,
+                                [&] { decode_in_layers(i + 1, from, sent, decode); });
+  }
+  void encode_reply_in_layers(std::size_t i, int peer, const CallAttachments& got,
+                              FunctionRef<void()> encode) {
+    if (i == extensions_.size()) {
+      encode();
+      return;
+    }
+    extensions_[i]->encode_reply(peer, got,
+                                 [&] { encode_reply_in_layers(i + 1, peer, got, encode); });
   }
 
   // Fails every call still waiting for a reply (local stop).
@@ -574,9 +612,9 @@ class RpcAgent : public AgentServices,
   // The layers' enter_request() scopes, released in reverse order.
   class LayerScopes {
    public:
-    LayerScopes(const RpcAgent& agent, int peer) {
+    LayerScopes(const RpcAgent& agent, int peer, const CallAttachments& got) {
       for (const auto& x : agent.extensions_) {
-        if (auto scope = x->enter_request(peer)) scopes_.push_back(std::move(scope));
+        if (auto scope = x->enter_request(peer, got)) scopes_.push_back(std::move(scope));
       }
     }
     ~LayerScopes() {
@@ -590,11 +628,18 @@ class RpcAgent : public AgentServices,
   };
 
   // What the registry's handler of the request running on this thread reaches
-  // (detail::tls_request_hooks), while it runs.
+  // (detail::tls_request_hooks), while it runs: the layers' scopes of a request from `peer` that
+  // carried `got`. Made on the request's thread (`decoding`: the arguments are still to be
+  // decoded), and again where a result that comes later is encoded (the reopener).
   class RunningRequest final : public detail::RequestHooks {
    public:
-    RunningRequest(RpcAgent& agent, int peer)
-        : agent_(agent), peer_(peer), saved_(detail::tls_request_hooks) {
+    RunningRequest(std::shared_ptr<RpcAgent> agent, int peer, CallAttachments got, bool decoding)
+        : agent_(std::move(agent)),
+          peer_(peer),
+          got_(std::move(got)),
+          decoding_(decoding),
+          scopes_(*agent_, peer_, got_),
+          saved_(detail::tls_request_hooks) {
       detail::tls_request_hooks = this;
     }
     ~RunningRequest() { detail::tls_request_hooks = saved_; }
@@ -602,19 +647,27 @@ class RpcAgent : public AgentServices,
     RunningRequest& operator=(const RunningRequest&) = delete;
 
     void arguments_decoded() override {
-      for (const auto& x : agent_.extensions_) x->arguments_decoded(peer_);
+      if (!decoding_) return;
+      for (const auto& x : agent_->extensions_) x->arguments_decoded(peer_);
     }
     std::function<std::shared_ptr<void>()> reopener() const override {
-      return [weak = agent_.weak_from_this(), peer = peer_]() -> std::shared_ptr<void> {
+      return [weak = std::weak_ptr<RpcAgent>(agent_), peer = peer_,
+              got = got_]() -> std::shared_ptr<void> {
         auto agent = weak.lock();
         if (!agent) return nullptr;
-        return std::make_shared<LayerScopes>(*agent, peer);
+        return std::make_shared<RunningRequest>(std::move(agent), peer, got, false);
       };
+    }
+    void encode_result(FunctionRef<void()> encode) override {
+      agent_->encode_reply(peer_, got_, encode);
     }
 
    private:
-    RpcAgent& agent_;
+    const std::shared_ptr<RpcAgent> agent_;
     const int peer_;
+    const CallAttachments got_;
+    const bool decoding_;
+    LayerScopes scopes_;
     detail::RequestHooks* const saved_;
   };
 
@@ -657,8 +710,7 @@ class RpcAgent : public AgentServices,
       }
       // The layers' scopes around the run (e.g. RRefs among the arguments come from `peer`,
       // RRefs in the result go back to it), and their hooks for the handler.
-      LayerScopes scopes(*this, peer);
-      RunningRequest hooks(*this, peer);
+      RunningRequest hooks(shared_from_this(), peer, h.attachments, true);
       if (h.mode == RequestHeader::kPlainCall) {
         result = entry->handler(req);
       } else {

@@ -51,6 +51,7 @@
 //                           is alive; see the class comment.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <concepts>
@@ -353,6 +354,72 @@ auto make_copyable(F&& f) {
   }
 }
 
+// Thread-local state that a layer wants carried into the callbacks of futures (e.g. distributed
+// autograd's current context, as PyTorch carries its ThreadLocalState): a carrier captures it on
+// the thread that registers a callback, and re-enters it around the callback wherever that runs.
+// Registered once per process (a header's static initializer), at most kMaxCarriers.
+struct ThreadStateCarrier {
+  std::shared_ptr<const void> (*capture)();  // null: nothing to carry from this thread
+  std::shared_ptr<void> (*enter)(const std::shared_ptr<const void>&);  // a guard that restores
+};
+inline constexpr int kMaxCarriers = 4;
+struct ThreadStateCarriers {
+  std::mutex mu;
+  std::atomic<int> count{0};
+  std::array<ThreadStateCarrier, kMaxCarriers> list{};
+};
+inline ThreadStateCarriers& thread_state_carriers() {
+  static ThreadStateCarriers c;
+  return c;
+}
+inline bool register_thread_state_carrier(ThreadStateCarrier carrier) {
+  auto& c = thread_state_carriers();
+  std::lock_guard<std::mutex> lk(c.mu);
+  const int n = c.count.load();
+  for (int i = 0; i < n; ++i) {
+    if (c.list[static_cast<std::size_t>(i)].capture == carrier.capture) return true;
+  }
+  if (n == kMaxCarriers) return false;
+  c.list[static_cast<std::size_t>(n)] = carrier;
+  c.count.store(n + 1);
+  return true;
+}
+// What the carriers captured on one thread (null when none had anything to carry).
+using CarriedState = std::shared_ptr<std::array<std::shared_ptr<const void>, kMaxCarriers>>;
+inline CarriedState capture_thread_state() {
+  auto& c = thread_state_carriers();
+  const int n = c.count.load(std::memory_order_acquire);
+  CarriedState out;
+  for (int i = 0; i < n; ++i) {
+    if (auto snap = c.list[static_cast<std::size_t>(i)].capture()) {
+      if (!out) out = std::make_shared<std::array<std::shared_ptr<const void>, kMaxCarriers>>();
+      (*out)[static_cast<std::size_t>(i)] = std::move(snap);
+    }
+  }
+  return out;
+}
+// `f` run inside the state captured where it was made.
+template <class F>
+struct Carrying {
+  F f;
+  CarriedState state;
+  template <class... A>
+  decltype(auto) operator()(A&&... args) {
+    std::array<std::shared_ptr<void>, kMaxCarriers> guards;
+    if (state) {
+      auto& c = thread_state_carriers();
+      for (std::size_t i = 0; i < kMaxCarriers; ++i) {
+        if ((*state)[i]) guards[i] = c.list[i].enter((*state)[i]);
+      }
+    }
+    return std::invoke(f, std::forward<A>(args)...);
+  }
+};
+template <class F>
+auto carry_thread_state(F&& f) {
+  return Carrying<std::decay_t<F>>{std::forward<F>(f), capture_thread_state()};
+}
+
 template <class Cb, class T>
 inline constexpr bool is_callback_v = std::is_invocable_v<std::decay_t<Cb>&, Future<T>&>;
 
@@ -554,7 +621,7 @@ class [[nodiscard]] Future : public FutureBase {
       using R = detail::callback_result_t<Cb, T>;
       Future<unwrap_future_t<R>> child;
       add_erased(
-          [child, fn = detail::make_copyable(std::forward<Cb>(cb))](
+          [child, fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb)))](
               const std::shared_ptr<detail::StateBase>& s, const detail::ExecutorFn* ex) mutable {
             if (ex == nullptr) {
               Future<T> parent(s);
@@ -573,7 +640,7 @@ class [[nodiscard]] Future : public FutureBase {
       using R = detail::callback_result_t<Cb, T>;
       Future<unwrap_future_t<R>> child;
       add_erased(
-          [child, fn = detail::make_copyable(std::forward<Cb>(cb)),
+          [child, fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb))),
            ex = std::decay_t<Ex>(std::forward<Ex>(ex))](const std::shared_ptr<detail::StateBase>& s,
                                                         const detail::ExecutorFn*) mutable {
             post_then<R>(ex, std::move(fn), Future<T>(s), child);
@@ -589,7 +656,7 @@ class [[nodiscard]] Future : public FutureBase {
   void add_done_callback(Cb&& cb) const {
     if constexpr (check_callback<Cb>()) {
       add_erased(
-          [fn = detail::make_copyable(std::forward<Cb>(cb))](
+          [fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb)))](
               const std::shared_ptr<detail::StateBase>& s, const detail::ExecutorFn* ex) mutable {
             if (ex == nullptr) {
               Future<T> f(s);
@@ -605,7 +672,7 @@ class [[nodiscard]] Future : public FutureBase {
   void add_done_callback(Ex&& ex, Cb&& cb) const {
     if constexpr (check_executor<Ex>() && check_callback<Cb>()) {
       add_erased(
-          [fn = detail::make_copyable(std::forward<Cb>(cb)),
+          [fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb))),
            ex = std::decay_t<Ex>(std::forward<Ex>(ex))](const std::shared_ptr<detail::StateBase>& s,
                                                         const detail::ExecutorFn*) mutable {
             post_logged(ex, std::move(fn), Future<T>(s));

@@ -29,12 +29,19 @@
 #include <vector>
 
 #include "distrpc/function_id.hpp"
+#include "distrpc/function_ref.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/wire/boxed_value.hpp"
 #include "distrpc/wire/type_spelling.hpp"
 
 namespace distrpc {
+
+// What the layers plugged into the agent attach to a call (AgentExtension::attach): (layer id,
+// bytes) pairs, opaque to the agent. They travel in the request header (or inside a layer's own
+// control message) and are handed back to the layers where the call runs and where its reply is
+// decoded (e.g. distributed autograd's context id).
+using CallAttachments = std::vector<std::pair<std::uint8_t, std::string>>;
 
 // The first value of every request payload: which function, and how it is typed.
 struct RequestHeader {
@@ -52,16 +59,27 @@ struct RequestHeader {
   // The caller's signature as people read it ("Tensor(Tensor, i64)"), for the callee's error
   // when `signature` differs from its own.
   std::string signature_text{};
+  // Set by the layers as the call is sent; nothing on the wire when empty (a bit of the mode
+  // byte says whether they follow).
+  CallAttachments attachments{};
+
+  static constexpr std::uint8_t kAttachmentsBit = 0x80;
 
   template <class Archive>
   void save(Archive& ar) const {
-    ar(name, signature, signature_text, internal, mode);
+    const auto wire_mode =
+        static_cast<std::uint8_t>(mode | (attachments.empty() ? 0 : kAttachmentsBit));
+    ar(name, signature, signature_text, internal, wire_mode);
     if (mode != kPlainCall) ar(mode_data);
+    if (!attachments.empty()) ar(attachments);
   }
   template <class Archive>
   void load(Archive& ar) {
-    ar(name, signature, signature_text, internal, mode);
+    std::uint8_t wire_mode = 0;
+    ar(name, signature, signature_text, internal, wire_mode);
+    mode = static_cast<std::uint8_t>(wire_mode & ~kAttachmentsBit);
     if (mode != kPlainCall) ar(mode_data);
+    if ((wire_mode & kAttachmentsBit) != 0) ar(attachments);
   }
 };
 
@@ -106,6 +124,9 @@ class RequestHooks {
   // For a result encoded later on another thread (a function returning a Future): something
   // that reopens the layers' scopes of this request there, for as long as what it returns lives.
   virtual std::function<std::shared_ptr<void>()> reopener() const = 0;
+  // The result is being encoded on this thread (encode()): inside the layers' reply scopes
+  // (e.g. distributed autograd records what the reply carries).
+  virtual void encode_result(FunctionRef<void()> encode) = 0;
 
  protected:
   ~RequestHooks() = default;
@@ -235,6 +256,15 @@ inline wire::Message empty_response() {
   return m;
 }
 
+// The reply of the request running on this thread, encoded inside the layers' reply scopes.
+template <class R>
+wire::Message request_response_with(R&& value) {
+  if (tls_request_hooks == nullptr) return response_with(std::forward<R>(value));
+  wire::Message m;
+  tls_request_hooks->encode_result([&] { m = response_with(std::forward<R>(value)); });
+  return m;
+}
+
 template <auto F>
 using fn_result_t = typename fn_traits<decltype(F)>::result;
 
@@ -313,14 +343,14 @@ Future<wire::Message> invoke(const wire::Message& request) {
           done.value();
           return empty_response();
         } else {
-          return response_with(done.value());
+          return request_response_with(done.value());
         }
       });
     } else if constexpr (std::is_void_v<R>) {
       std::apply(F, std::move(args));
       return make_ready_future(empty_response());
     } else {
-      return make_ready_future(response_with(std::apply(F, std::move(args))));
+      return make_ready_future(request_response_with(std::apply(F, std::move(args))));
     }
   }
 }

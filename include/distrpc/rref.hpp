@@ -126,7 +126,8 @@ class RRef {
     if (!ctx) throw RpcError(i.deleted_text("Cannot call to_here() on it after deletion."));
     // Not waiting for the owner's confirmation first: a fetch that overtakes its remote() call
     // waits on the owner until the value exists, and fails here with the creation if that fails.
-    auto reply = ctx->fetch_value(impl_, timeout);
+    CallAttachments sent;
+    auto reply = ctx->fetch_value(impl_, timeout, sent);
     try {
       reply.wait();  // polls for the reply first (the future's wait driver)
     } catch (...) {
@@ -137,7 +138,7 @@ class RRef {
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};
     detail::DecodeScopeGuard guard(detail::tls_rref_decode, &scope);
-    wire::decode(m, out);
+    ctx->host().host_decode_reply(i.owner.id, sent, [&] { wire::decode(m, out); });
     return out;
   }
 
@@ -493,7 +494,7 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
   Future<wire::Message> reply;
   std::exception_ptr encode_error;
   try {
-    reply = send_packed(agent, dst, timeout, header, packed, what);
+    reply = send_packed(agent, dst, timeout, header, packed, what).reply;
   } catch (...) {
     encode_error = std::current_exception();
     reply = make_exceptional_future<wire::Message>(encode_error);

@@ -49,21 +49,28 @@ inline CallOptions with_timeout(std::chrono::milliseconds t) {
 
 namespace detail {
 
+// A request on its way: the reply to come, and what the layers attached to the request (handed
+// back to them when the reply is decoded).
+struct SentCall {
+  Future<wire::Message> reply;
+  CallAttachments attachments;
+};
+
 // The typed result of a call to worker `from` (decoded inside the layers' scopes: RRefs in it
 // were forked by `from`).
 template <class T>
-Future<T> decode_reply(const Future<wire::Message>& reply, const std::shared_ptr<RpcAgent>& agent,
-                       int from) {
-  Future<T> typed = reply.then([agent, from](const Future<wire::Message>& done) {
-    if constexpr (std::is_void_v<T>) {
-      done.value();
-    } else {
-      T out{};
-      const wire::Message& m = done.value();
-      agent->decode_from(from, [&] { wire::decode(m, out); });
-      return out;
-    }
-  });
+Future<T> decode_reply(SentCall sent, const std::shared_ptr<RpcAgent>& agent, int from) {
+  Future<T> typed = sent.reply.then(
+      [agent, from, atts = std::move(sent.attachments)](const Future<wire::Message>& done) {
+        if constexpr (std::is_void_v<T>) {
+          done.value();
+        } else {
+          T out{};
+          const wire::Message& m = done.value();
+          agent->decode_from(from, atts, [&] { wire::decode(m, out); });
+          return out;
+        }
+      });
   // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool. A
   // thread that waits for it reads the transport meanwhile (sync_wait_spin).
   set_callback_executor(typed, agent->callback_executor());
@@ -152,18 +159,22 @@ struct call_identity<F, true> {
 // Encodes (header, packed arguments) for `dst` inside the layers' scopes and sends it. What the
 // layers did while encoding (RRefs among the arguments forked to `dst`) is undone if encoding
 // fails or the message is never sent.
+// The agent's own calls (header.internal) carry no attachments.
 template <class Packed>
-Future<wire::Message> send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
-                                  std::chrono::milliseconds timeout, const RequestHeader& header,
-                                  const Packed& packed, const std::string& what) {
+SentCall send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+                     std::chrono::milliseconds timeout, RequestHeader header, const Packed& packed,
+                     const std::string& what) {
+  if (!header.internal) header.attachments = agent->attach(dst.id);
   wire::Message m;
-  std::function<void()> undo = agent->encode_for(dst.id, [&] { wire::encode(m, header, packed); });
-  return agent->call(dst, std::move(m), timeout, header.internal, what, wire::MessageType::Request,
-                     undo);
+  std::function<void()> undo = agent->encode_for(dst.id, header.attachments,
+                                                 [&] { wire::encode(m, header, packed); });
+  auto reply = agent->call(dst, std::move(m), timeout, header.internal, what,
+                           wire::MessageType::Request, undo);
+  return SentCall{std::move(reply), std::move(header.attachments)};
 }
 
 template <auto F, class... A>
-Future<wire::Message> send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+SentCall send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
                                 CallOptions opts, bool internal, A&&... args) {
   using Id = call_identity<F>;
   Id::register_caller();

@@ -47,6 +47,17 @@ class AgentServices {
   // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
   virtual std::weak_ptr<detail::WaitDriver> host_wait_driver() = 0;
 
+  // For a layer whose own control messages carry a call (RRefs' fetch): the layers' attachments
+  // for a call to `dst` made on this thread (AgentExtension::attach); the scopes of the layers
+  // where such a call is served (enter_request) and its reply encoded (encode_reply); and the
+  // decoding of that reply at the caller (decode_from).
+  virtual CallAttachments host_attach(int dst) = 0;
+  virtual std::shared_ptr<void> host_enter_request(int peer, const CallAttachments& got) = 0;
+  virtual void host_encode_reply(int peer, const CallAttachments& got,
+                                 FunctionRef<void()> encode) = 0;
+  virtual void host_decode_reply(int from, const CallAttachments& sent,
+                                 FunctionRef<void()> decode) = 0;
+
  protected:
   virtual ~AgentServices() = default;
 };
@@ -77,10 +88,18 @@ class AgentExtension {
   virtual Future<wire::Message> handle_control(int peer, int kind, const wire::Message& m) = 0;
   virtual std::string control_name(int kind) const = 0;
 
-  // A request from `peer` is about to run on this thread: what is returned stays alive while its
-  // handler decodes the arguments, runs, and encodes a result that is ready at once (e.g. the
-  // thread-local scopes under which RRefs among arguments and results are forked).
-  virtual std::shared_ptr<void> enter_request(int /*peer*/) { return nullptr; }
+  // A call to worker `dst` is being made on this thread (a user call, not the agent's own): what
+  // this layer attaches to it (e.g. the distributed-autograd context the caller is in). Added to
+  // `out` as (id(), bytes); called before encode_for().
+  virtual void attach(int /*dst*/, CallAttachments& /*out*/) {}
+
+  // A request from `peer` is about to run on this thread, with the attachments it carried: what
+  // is returned stays alive while its handler decodes the arguments, runs, and encodes a result
+  // that is ready at once (e.g. the thread-local scopes under which RRefs among arguments and
+  // results are forked).
+  virtual std::shared_ptr<void> enter_request(int /*peer*/, const CallAttachments& /*got*/) {
+    return nullptr;
+  }
   // The request's handler decoded its arguments, inside this layer's enter_request() scope, and
   // is about to run the function (e.g. wait until RRef arguments are confirmed by their owner).
   virtual void arguments_decoded(int /*peer*/) {}
@@ -96,17 +115,27 @@ class AgentExtension {
   // undecodable arguments): called after the error reply was sent.
   virtual void request_not_run(int /*peer*/, const RequestHeader& /*header*/,
                                std::exception_ptr /*error*/) {}
+  // The reply of a request from `peer` (which carried `got`) is being encoded on this thread:
+  // runs encode() inside the layer's scope (e.g. record what the reply carries).
+  virtual void encode_reply(int /*peer*/, const CallAttachments& /*got*/,
+                            FunctionRef<void()> encode) {
+    encode();
+  }
 
-  // A call to worker `dst` is being encoded on this thread: runs encode() inside the layer's scope
-  // (e.g. where RRefs among the arguments are forked to). What must be undone if the message is
-  // never sent goes into `undo`; if encode() throws, the layer undoes its part itself.
-  virtual void encode_for(int /*dst*/, FunctionRef<void()> encode,
+  // A call to worker `dst`, with the attachments `sent`, is being encoded on this thread: runs
+  // encode() inside the layer's scope (e.g. where RRefs among the arguments are forked to). What
+  // must be undone if the message is never sent goes into `undo`; if encode() throws, the layer
+  // undoes its part itself.
+  virtual void encode_for(int /*dst*/, const CallAttachments& /*sent*/, FunctionRef<void()> encode,
                           std::vector<std::function<void()>>& /*undo*/) {
     encode();
   }
-  // A reply from worker `from` is being decoded on this thread: runs decode() inside the layer's
-  // scope (e.g. RRefs in it were forked by `from`).
-  virtual void decode_from(int /*from*/, FunctionRef<void()> decode) { decode(); }
+  // The reply from worker `from` to a call that carried `sent` is being decoded on this thread:
+  // runs decode() inside the layer's scope (e.g. RRefs in it were forked by `from`).
+  virtual void decode_from(int /*from*/, const CallAttachments& /*sent*/,
+                           FunctionRef<void()> decode) {
+    decode();
+  }
 
   // Worker `peer` is lost (on the callback pool).
   virtual void on_peer_lost(int /*peer*/) {}

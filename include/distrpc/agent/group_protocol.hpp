@@ -88,7 +88,8 @@ class GroupProtocol {
       ensure_library_registered<&GroupProtocol::contribute>();
       auto reply = send_call<&GroupProtocol::contribute>(
           agent_, agent_->worker(leader), CallOptions{call_limit},
-          /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost);
+          /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost)
+                       .reply;
       try {
         wire::decode(reply.value(), out);
       } catch (const DistNetworkError& e) {
@@ -292,7 +293,8 @@ class GroupProtocol {
           ensure_library_registered<&GroupProtocol::status>();
           p.pending = send_call<&GroupProtocol::status>(agent_, agent_->worker(m),
                                                         CallOptions{milliseconds(2000)},
-                                                        /*internal=*/true, key, seq);
+                                                        /*internal=*/true, key, seq)
+                          .reply;
           p.interval = std::min(p.interval * 2, milliseconds(1000));
           p.next = now + p.interval;
         }

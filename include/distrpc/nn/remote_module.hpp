@@ -394,9 +394,9 @@ class RemoteModule
     auto agent = ::distrpc::detail::current_agent();
     const WorkerInfo owner = s.module_rref.owner();
     const detail::DeviceArg device{s.where.device()};
-    Future<wire::Message> reply;
+    ::distrpc::detail::SentCall sent;
     if (s.owner_knows.load(std::memory_order_acquire)) {
-      reply = std::apply(
+      sent = std::apply(
           [&](auto&&... a) {
             return ::distrpc::detail::send_call<&Calls::forward_by_id>(
                 agent, owner, opts, /*internal=*/false, s.module_rref.rref_id(), device,
@@ -406,20 +406,20 @@ class RemoteModule
       // The fork is held until the reply, so the owner's entry outlives this call even if the
       // last handle goes meanwhile (a release would otherwise race the request). Inline on the
       // I/O thread: dropping an RRef there only queues its delete.
-      reply.add_done_callback([keep = s.module_rref](const Future<wire::Message>&) {});
+      sent.reply.add_done_callback([keep = s.module_rref](const Future<wire::Message>&) {});
     } else {
-      reply = std::apply(
+      sent = std::apply(
           [&](auto&&... a) {
             return ::distrpc::detail::send_call<&Calls::forward>(
                 agent, owner, opts, /*internal=*/false, s.module_rref, device, s.device_map_set,
                 std::move(a)...);
           },
           std::move(args));
-      reply.add_done_callback([state = state_](const Future<wire::Message>& r) {
+      sent.reply.add_done_callback([state = state_](const Future<wire::Message>& r) {
         if (!r.has_error()) state->owner_knows.store(true, std::memory_order_release);
       });
     }
-    auto typed = ::distrpc::detail::decode_reply<result_type>(reply, agent, owner.id);
+    auto typed = ::distrpc::detail::decode_reply<result_type>(std::move(sent), agent, owner.id);
     ::distrpc::detail::register_in_scope(typed);
     return typed;
   }

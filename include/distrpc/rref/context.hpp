@@ -261,7 +261,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     return handle_control(peer, static_cast<RRefControl>(kind), m);
   }
   // RRefs among a request's arguments come from `peer`; RRefs in its result go back to it.
-  std::shared_ptr<void> enter_request(int peer) override {
+  std::shared_ptr<void> enter_request(int peer, const CallAttachments& /*got*/) override {
     struct Scopes {
       detail::RRefEncodeScope enc;
       detail::RRefDecodeScope dec;
@@ -295,7 +295,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   }
   // RRefs among a call's arguments are forked to `dst`; the forks are undone if the message is
   // never sent.
-  void encode_for(int dst, FunctionRef<void()> encode,
+  void encode_for(int dst, const CallAttachments& /*sent*/, FunctionRef<void()> encode,
                   std::vector<std::function<void()>>& undo) override {
     auto scope = std::make_shared<detail::RRefEncodeScope>();
     scope->ctx = shared_from_this();
@@ -312,7 +312,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     if (!scope->undo.empty()) undo.push_back([scope] { scope->rollback(); });
   }
   // RRefs in a reply from `from` were forked by `from`.
-  void decode_from(int from, FunctionRef<void()> decode) override {
+  void decode_from(int from, const CallAttachments& /*sent*/,
+                   FunctionRef<void()> decode) override {
     detail::RRefDecodeScope scope{shared_from_this(), from, {}};
     detail::DecodeScopeGuard guard(detail::tls_rref_decode, &scope);
     decode();
@@ -615,21 +616,26 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
         return make_ready_future(detail::empty_response());
       }
       case RRefControl::Fetch: {
+        // The fetch is a call: what the layers attached to it (e.g. the caller's autograd
+        // context) is handed to them where the value is encoded.
         RRefId id;
         std::uint64_t type_hash = 0;
-        wire::decode(m, id, type_hash);
+        CallAttachments got;
+        wire::decode(m, id, type_hash, got);
         std::exception_ptr unrun;
         auto cell = cell_for_query(id, unrun);
         if (unrun) return make_exceptional_future<wire::Message>(unrun);
         auto ctx = shared_from_this();
-        return cell->ready.then([cell, ctx, peer, type_hash](const Future<void>& done) {
+        return cell->ready.then([cell, ctx, peer, type_hash,
+                                 got = std::move(got)](const Future<void>& done) {
           done.wait();
           check_type(*cell, type_hash);
           wire::Message out;
           out.type = wire::MessageType::Response;
           detail::RRefEncodeScope scope{ctx, peer, {}};
           detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
-          cell->ops->encode(out, cell->value.get());
+          ctx->host_.host_encode_reply(peer, got,
+                                       [&] { cell->ops->encode(out, cell->value.get()); });
           return out;
         });
       }
@@ -658,9 +664,14 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
 
   // ---- user operations -------------------------------------------------------------------------
 
-  Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout) {
+  // `sent`: what the layers attached to the fetch, for the decoding of its reply
+  // (host_decode_reply).
+  Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout,
+                              CallAttachments* sent = nullptr) {
+    CallAttachments atts = host_.host_attach(impl->owner.id);
     wire::Message m;
-    wire::encode(m, impl->id, impl->type_hash);
+    wire::encode(m, impl->id, impl->type_hash, atts);
+    if (sent != nullptr) *sent = std::move(atts);
     auto reply =
         host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch), std::move(m),
                                 host_.host_timeout(timeout), "to_here() of " + impl->str());
@@ -672,8 +683,9 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // remote(): one round trip instead of two, the owner answers once the value exists). While the
   // creation is unconfirmed, the future also fails as soon as the creation does: the owner may
   // never have run the call.
-  Future<wire::Message> fetch_value(const ImplPtr& impl, std::chrono::milliseconds timeout) {
-    auto reply = fetch(impl, timeout);
+  Future<wire::Message> fetch_value(const ImplPtr& impl, std::chrono::milliseconds timeout,
+                                    CallAttachments& sent) {
+    auto reply = fetch(impl, timeout, &sent);
     Future<wire::Message> out;
     {
       std::lock_guard<std::mutex> lk(impl->mu);

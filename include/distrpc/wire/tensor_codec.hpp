@@ -6,6 +6,7 @@
 #pragma once
 
 #include <distrpc/wire/archive.hpp>
+#include <distrpc/wire/tensor_observer.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -401,6 +402,9 @@ inline void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) {
                         ": only strided and sparse COO tensors are supported");
   }
   ar.remember_tensor(t);
+  if (detail::tls_tensor_observer != nullptr && t.requires_grad()) {
+    detail::tls_tensor_observer->encoded(t);
+  }
 }
 
 inline void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, at::Tensor& t) {
@@ -423,6 +427,9 @@ inline void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, at::Tensor& t) {
                           std::to_string(ar.position() - 1));
   }
   ar.remember_tensor(t);
+  if (detail::tls_tensor_observer != nullptr && t.requires_grad()) {
+    detail::tls_tensor_observer->decoded(t);
+  }
 }
 
 }  // namespace distrpc::wire

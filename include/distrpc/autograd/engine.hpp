@@ -1,0 +1,200 @@
+// One local pass of the distributed backward, on libtorch's own engine.
+//
+// A pass starts from roots with their gradients: the user's roots (seeded with ones) on the worker
+// that called backward(), or a send function with the gradients that came back for it. It asks
+// libtorch's engine for the gradients at two kinds of edges, which the engine then computes
+// without running the nodes behind them: each leaf's AccumulateGrad (accumulated into the context
+// after the leaf's hooks, never into `.grad`), and each RecvRpcBackward's inputs (sent to the
+// worker that sent those tensors, whose own pass then continues from its send function). The pass
+// is complete when its engine run is and every pass it started elsewhere is: nothing waits for a
+// send function that no gradient reaches, so an unused RPC result cannot hang a backward.
+//
+// Passes of one context on one worker run one at a time. Where two of them can reach the same
+// node (a tensor that both flows on locally and was sent), the engine keeps that node's saved
+// tensors (it runs once per pass, each time with its share of the gradient; the sum is the same
+// by linearity); they are freed with the graph, when the context and the outputs are released.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "distrpc/autograd/context.hpp"
+#include "distrpc/autograd/functions.hpp"
+#include "distrpc/future.hpp"
+
+namespace distrpc::dist_autograd::detail {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// "Error on Node N: <message>": the worker where a backward failed, named once (a failure that
+// came from another worker already names it).
+inline std::string node_error_text(int worker, const std::string& message) {
+  static const std::string kPrefix = "Error on Node ";
+  if (message.rfind(kPrefix, 0) == 0) return message;
+  return kPrefix + std::to_string(worker) + ": " + message;
+}
+
+inline std::string message_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& ex) {
+    return ex.what_without_backtrace();
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// Where a pass asks the engine for gradients, found by walking the graph from its roots.
+struct PassPlan {
+  edge_list outputs;  // every leaf's AccumulateGrad, then every RecvRpcBackward's inputs
+  std::vector<std::shared_ptr<torch::autograd::AccumulateGrad>> leaves;
+  std::vector<std::shared_ptr<RecvRpcBackward>> recvs;
+  std::unordered_set<const Node*> interior;  // the nodes the engine runs
+};
+
+inline void walk(const edge_list& roots, std::unordered_set<const Node*>& interior,
+                 PassPlan* plan) {
+  std::unordered_set<const Node*> seen;
+  std::vector<const std::shared_ptr<Node>*> stack;  // the graph owns the pointers meanwhile
+  for (const auto& e : roots) {
+    if (e.function) stack.push_back(&e.function);
+  }
+  std::vector<std::shared_ptr<RecvRpcBackward>> recvs;
+  while (!stack.empty()) {
+    const std::shared_ptr<Node>& n = *stack.back();
+    stack.pop_back();
+    if (!seen.insert(n.get()).second) continue;
+    if (auto acc = std::dynamic_pointer_cast<torch::autograd::AccumulateGrad>(n)) {
+      if (plan != nullptr) {
+        plan->outputs.emplace_back(acc, 0);
+        plan->leaves.push_back(std::move(acc));
+      }
+      continue;
+    }
+    if (auto recv = std::dynamic_pointer_cast<RecvRpcBackward>(n)) {
+      if (plan != nullptr) recvs.push_back(std::move(recv));
+      continue;
+    }
+    if (dynamic_cast<const SendRpcBackward*>(n.get()) == nullptr) interior.insert(n.get());
+    for (const auto& e : n->next_edges()) {
+      if (e.function) stack.push_back(&e.function);
+    }
+  }
+  if (plan != nullptr) {
+    for (auto& r : recvs) {
+      for (std::uint32_t i = 0; i < r->num_inputs(); ++i) plan->outputs.emplace_back(r, i);
+    }
+    plan->recvs = std::move(recvs);
+  }
+}
+
+// True when a node this pass runs can also be reached from another root of the context (another
+// send function, or the user's roots of a backward running from here).
+inline bool shares_nodes(const DistAutogradContext& ctx, const edge_list& roots,
+                         const std::unordered_set<const Node*>& interior) {
+  if (interior.empty()) return false;
+  std::unordered_set<const Node*> own;
+  for (const auto& e : roots) own.insert(e.function.get());
+  edge_list others;
+  for (const auto& [id, send] : ctx.send_functions()) {
+    if (own.count(send.get()) == 0) {
+      for (std::uint32_t i = 0; i < send->num_inputs(); ++i) others.emplace_back(send, i);
+    }
+  }
+  for (const auto& e : ctx.running_roots()) {
+    if (e.function && own.count(e.function.get()) == 0) others.push_back(e);
+  }
+  if (others.empty()) return false;
+  std::unordered_set<const Node*> reach;
+  walk(others, reach, nullptr);
+  for (const Node* n : interior) {
+    if (reach.count(n) != 0) return true;
+  }
+  return false;
+}
+
+// The gradient a leaf receives after its hooks (the tensor's hooks, then its AccumulateGrad's
+// pre-hooks), accumulated into the context; the AccumulateGrad's post-hooks then see it.
+inline void deliver_to_leaf(DistAutogradContext& ctx, torch::autograd::AccumulateGrad& acc,
+                            at::Tensor grad) {
+  if (!grad.defined()) return;
+  const at::Tensor& leaf = acc.variable;
+  grad = torch::autograd::AccumulateGrad::callHooks(leaf, std::move(grad));
+  for (const auto& hook : acc.pre_hooks()) {
+    variable_list g = (*hook)(variable_list{grad});
+    grad = g.empty() ? at::Tensor() : g[0];
+  }
+  if (!grad.defined()) return;
+  ctx.accumulate(leaf, grad);
+  for (const auto& hook : acc.post_hooks()) (void)(*hook)(variable_list{}, variable_list{grad});
+}
+
+// How a pass hands the gradients of a recv function to its sender: the future completes when the
+// sender's pass (and all it started) completed.
+using SendGradients = std::function<Future<void>(const RecvRpcBackward& recv,
+                                                 variable_list grads, bool retain_graph)>;
+
+// Runs one pass on this thread; the returned future completes when the passes it started on other
+// workers have. Errors read "Error on Node <worker>: ...".
+inline Future<void> run_pass(const ContextPtr& ctx, int self_id, const edge_list& roots,
+                             const variable_list& grads, bool retain_graph,
+                             const SendGradients& send) {
+  std::vector<Future<void>> started;
+  try {
+    std::lock_guard<std::mutex> pass(ctx->pass_mutex());
+    PassPlan plan;
+    walk(roots, plan.interior, &plan);
+    if (!plan.outputs.empty()) {
+      const bool keep = retain_graph || shares_nodes(*ctx, roots, plan.interior);
+      variable_list out = torch::autograd::Engine::get_default_engine().execute(
+          roots, grads, keep, /*create_graph=*/false, /*accumulate_grad=*/false, plan.outputs);
+      std::size_t k = 0;
+      for (const auto& leaf : plan.leaves) deliver_to_leaf(*ctx, *leaf, std::move(out[k++]));
+      for (const auto& recv : plan.recvs) {
+        variable_list g;
+        bool any = false;
+        for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
+          any = any || out[k].defined();
+          g.push_back(std::move(out[k++]));
+        }
+        if (!any) continue;
+        // The recv function never runs on the engine here: its work is this send, profiled
+        // under its name.
+        RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
+        started.push_back(send(*recv, std::move(g), retain_graph));
+      }
+    }
+  } catch (...) {
+    return make_exceptional_future<void>(
+        std::runtime_error(node_error_text(self_id, message_of(std::current_exception()))));
+  }
+  if (started.empty()) return make_ready_future();
+  if (started.size() == 1) return started.front();
+  return collect_all(std::move(started)).then([](const Future<std::vector<Future<void>>>& all) {
+    for (const auto& f : all.value()) f.value();  // the first failure, in start order
+  });
+}
+
+}  // namespace distrpc::dist_autograd::detail

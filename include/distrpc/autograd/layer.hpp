@@ -1,0 +1,507 @@
+// Distributed autograd plugged into the agent (agent/extension.hpp): the agent knows nothing of
+// it. A call made inside a context carries (context id, autograd message id) as an attachment;
+// the tensors requiring grad that the request and its reply carry are recorded as they are
+// encoded and decoded (wire::TensorObserver): a SendRpcBackward where they leave, a
+// RecvRpcBackward where they arrive. Two control messages of its own: the gradients of a recv
+// function sent back to its send function (answered when the pass they start, and every pass
+// that one starts, is done), and the release of a context (forwarded to the workers it knows).
+#pragma once
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distrpc/agent/extension.hpp"
+#include "distrpc/autograd/container.hpp"
+#include "distrpc/autograd/context.hpp"
+#include "distrpc/autograd/engine.hpp"
+#include "distrpc/autograd/functions.hpp"
+#include "distrpc/future.hpp"
+#include "distrpc/log.hpp"
+#include "distrpc/options.hpp"
+#include "distrpc/registry.hpp"
+#include "distrpc/wire.hpp"
+#include "distrpc/wire/tensor_observer.hpp"
+
+namespace distrpc::dist_autograd {
+
+namespace detail {
+
+// What a call made inside a context carries: the context, and the autograd message id of the
+// request's send function (the reply's is the next id: the caller reserves both).
+struct CallTag {
+  std::int64_t context_id = -1;
+  std::int64_t message_id = -1;
+
+  std::string encode() const {
+    std::string s(16, '\0');
+    std::memcpy(s.data(), &context_id, 8);
+    std::memcpy(s.data() + 8, &message_id, 8);
+    return s;
+  }
+  static std::optional<CallTag> find(const CallAttachments& atts, std::uint8_t layer) {
+    for (const auto& [id, bytes] : atts) {
+      if (id != layer) continue;
+      if (bytes.size() != 16) {
+        throw std::runtime_error("malformed distributed-autograd attachment of " +
+                                 std::to_string(bytes.size()) + " bytes (16 expected)");
+      }
+      CallTag t;
+      std::memcpy(&t.context_id, bytes.data(), 8);
+      std::memcpy(&t.message_id, bytes.data() + 8, 8);
+      return t;
+    }
+    return std::nullopt;
+  }
+};
+
+// The thread's context (and libtorch's thread-local state: grad mode, the profiler) carried into
+// the callbacks of futures registered inside a context (future.hpp's thread-state carriers).
+struct CarriedContext {
+  std::int64_t id;
+  at::ThreadLocalState state;
+};
+inline std::shared_ptr<const void> capture_context() {
+  if (dist_autograd::detail::tls_context_id < 0) return nullptr;
+  return std::make_shared<const CarriedContext>(
+      CarriedContext{dist_autograd::detail::tls_context_id, at::ThreadLocalState()});
+}
+inline std::shared_ptr<void> enter_context(const std::shared_ptr<const void>& snapshot) {
+  struct Guard {
+    explicit Guard(const CarriedContext& c) : scope(c.id), state(c.state) {}
+    dist_autograd::detail::CurrentContextScope scope;
+    at::ThreadLocalStateGuard state;
+  };
+  return std::make_shared<Guard>(*static_cast<const CarriedContext*>(snapshot.get()));
+}
+inline const bool context_carrier_registered =
+    distrpc::detail::register_thread_state_carrier({&capture_context, &enter_context});
+
+// Collects the tensors requiring grad that a message carries while it is encoded or decoded.
+class Collector final : public wire::TensorObserver {
+ public:
+  void encoded(const at::Tensor& t) override { tensors.push_back(t); }
+  void decoded(const at::Tensor& t) override { tensors.push_back(t); }
+  std::vector<at::Tensor> tensors;
+};
+
+}  // namespace detail
+
+class AutogradLayer final : public AgentExtension,
+                            public std::enable_shared_from_this<AutogradLayer> {
+ public:
+  static constexpr int kExtensionId = 1;
+  enum Kind : int { kGradients = 0, kCleanup = 1, kKinds = 2 };
+  // Cleanup messages are retried this many times in all when a send fails (a peer busy or a
+  // transient link failure), waiting kCleanupBackoff, doubled each time, in between.
+  static constexpr int kCleanupAttempts = 6;
+  static constexpr std::chrono::milliseconds kCleanupBackoff{100};
+
+  explicit AutogradLayer(AgentServices& host) : host_(host) {}
+
+  int id() const override { return kExtensionId; }
+  std::string control_name(int kind) const override {
+    switch (kind) {
+      case kGradients:
+        return "distributed autograd gradients";
+      case kCleanup:
+        return "distributed autograd context cleanup";
+      default:
+        return "distributed autograd control " + std::to_string(kind);
+    }
+  }
+
+  ContextContainer& contexts() {
+    std::call_once(container_once_, [&] {
+      container_ = std::make_unique<ContextContainer>(host_.host_self().id);
+    });
+    return *container_;
+  }
+
+  // ---- the public operations (dist_autograd.hpp) ------------------------------------------------
+
+  // Runs the distributed backward pass from `roots` in context `context_id`, on this thread, and
+  // waits until every worker it reached is done.
+  void backward(std::int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
+    RECORD_FUNCTION("torch::distributed::autograd::backward", std::vector<c10::IValue>());
+    if (roots.empty()) throw std::runtime_error("No tensors provided for gradient computation.");
+    torch::autograd::edge_list edges;
+    torch::autograd::variable_list grads;
+    for (std::size_t i = 0; i < roots.size(); ++i) {
+      const at::Tensor& r = roots[i];
+      const std::string which = "root " + std::to_string(i) + " of backward()";
+      if (!r.defined()) throw std::runtime_error(which + " is an undefined tensor");
+      if (!r.requires_grad()) throw std::runtime_error("requires_grad not set on " + which);
+      if (r.numel() != 1) {
+        throw std::runtime_error(which + " of sizes " + c10::str(r.sizes()) +
+                                 " is not a scalar, all roots need to be scalar");
+      }
+      if (!r.grad_fn()) {
+        throw std::runtime_error(which + " does not have a valid gradient function (it is a " +
+                                 "leaf: nothing to back-propagate through)");
+      }
+      edges.push_back(torch::autograd::impl::gradient_edge(r));
+      grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
+    }
+    auto ctx = contexts().retrieve(context_id);
+    ctx->set_running_roots(edges);
+    PassCount count(*this);
+    Future<void> done;
+    {
+      dist_autograd::detail::CurrentContextScope current(context_id);
+      done = run_pass(ctx, edges, grads, retain_graph);
+    }
+    try {
+      done.wait();
+      done.value();
+    } catch (...) {
+      ctx->set_running_roots({});
+      throw std::runtime_error(dist_autograd::detail::node_error_text(
+          self_id(), dist_autograd::detail::message_of(std::current_exception())));
+    }
+    ctx->set_running_roots({});
+  }
+
+  // Releases context `id` here, and on every worker it sent autograd metadata to (which release
+  // it on theirs, transitively). Throws "Could not find autograd context with id: <id>".
+  void release(std::int64_t id) {
+    auto ctx = contexts().erase(id);
+    if (!ctx) throw std::runtime_error(dist_autograd::detail::not_found_text(id));
+    send_cleanup(id, ctx->known_worker_ids(), -1);
+  }
+
+  std::map<std::string, std::string> debug_info() {
+    return {{"num_current_backward_passes", std::to_string(passes_.load())},
+            {"num_autograd_contexts", std::to_string(contexts().size())}};
+  }
+
+  // ---- the agent's hooks --------------------------------------------------------------------------
+
+  void attach(int dst, CallAttachments& out) override {
+    const std::int64_t id = dist_autograd::detail::tls_context_id;
+    if (id < 0) return;
+    auto ctx = contexts().find(id);
+    if (!ctx) return;  // released while current: nothing to record it in
+    ctx->add_known_worker(dst);
+    out.emplace_back(kExtensionId, detail::CallTag{id, next_message_id()}.encode());
+  }
+
+  void encode_for(int /*dst*/, const CallAttachments& sent, FunctionRef<void()> encode,
+                  std::vector<std::function<void()>>& /*undo*/) override {
+    auto tag = detail::CallTag::find(sent, kExtensionId);
+    if (!tag) {
+      encode();
+      return;
+    }
+    detail::Collector c;
+    {
+      wire::TensorObserverScope observe(&c);
+      encode();
+    }
+    if (c.tensors.empty()) return;
+    if (auto ctx = contexts().find(tag->context_id)) record_send(*ctx, tag->message_id, c.tensors);
+  }
+
+  void decode_from(int from, const CallAttachments& sent, FunctionRef<void()> decode) override {
+    auto tag = detail::CallTag::find(sent, kExtensionId);
+    if (!tag) {
+      decode();
+      return;
+    }
+    detail::Collector c;
+    {
+      wire::TensorObserverScope observe(&c);
+      decode();
+    }
+    if (c.tensors.empty()) return;
+    // The context may be gone (released before the reply came): the tensors stay leaves.
+    if (auto ctx = contexts().find(tag->context_id)) {
+      record_recv(*ctx, from, tag->message_id + 1, c.tensors);
+    }
+  }
+
+  std::shared_ptr<void> enter_request(int peer, const CallAttachments& got) override {
+    auto tag = detail::CallTag::find(got, kExtensionId);
+    if (!tag) return nullptr;
+    auto scope = std::make_shared<RequestScope>(shared_from_this(), peer, *tag,
+                                                contexts().get_or_create(tag->context_id));
+    return scope;
+  }
+
+  void arguments_decoded(int /*peer*/) override {
+    if (RequestScope* s = RequestScope::current()) s->arguments_done();
+  }
+
+  void encode_reply(int peer, const CallAttachments& got, FunctionRef<void()> encode) override {
+    auto tag = detail::CallTag::find(got, kExtensionId);
+    if (!tag) {
+      encode();
+      return;
+    }
+    // A reply to a call made in a context is encoded in it: made here if the call was not a
+    // request run inside it (an RRef fetch).
+    auto ctx = contexts().get_or_create(tag->context_id);
+    detail::Collector c;
+    {
+      wire::TensorObserverScope observe(&c);
+      encode();
+    }
+    if (c.tensors.empty()) return;
+    record_send(*ctx, tag->message_id + 1, c.tensors);
+    ctx->add_known_worker(peer);
+  }
+
+  Future<wire::Message> handle_control(int peer, int kind, const wire::Message& m) override {
+    switch (kind) {
+      case kGradients:
+        return receive_gradients(m);
+      case kCleanup: {
+        std::int64_t id = -1;
+        wire::decode(m, id);
+        // Idempotent: a context already released (a cycle of known workers) is not an error.
+        if (auto ctx = contexts().erase(id)) send_cleanup(id, ctx->known_worker_ids(), peer);
+        return make_ready_future(distrpc::detail::empty_response());
+      }
+      default:
+        throw std::runtime_error("unknown distributed autograd control message kind " +
+                                 std::to_string(kind) + " from worker " + std::to_string(peer));
+    }
+  }
+
+  void on_stop() override { stopping_.store(true); }
+  void add_debug_info(std::map<std::string, std::string>& out) const override {
+    out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
+    if (container_) out["dist_autograd.num_autograd_contexts"] = std::to_string(container_->size());
+  }
+
+ private:
+  // The scope of a request that carried a context: the thread runs in that context, and the
+  // tensors requiring grad among its arguments get a RecvRpcBackward once they are decoded.
+  class RequestScope {
+   public:
+    RequestScope(std::shared_ptr<AutogradLayer> layer, int peer, detail::CallTag tag,
+                 ContextPtr ctx)
+        : layer_(std::move(layer)),
+          peer_(peer),
+          tag_(tag),
+          ctx_(std::move(ctx)),
+          current_(tag.context_id),
+          saved_observer_(wire::detail::tls_tensor_observer),
+          saved_scope_(tls_scope) {
+      wire::detail::tls_tensor_observer = &args_;
+      tls_scope = this;
+    }
+    ~RequestScope() {
+      if (decoding_) wire::detail::tls_tensor_observer = saved_observer_;
+      tls_scope = saved_scope_;
+    }
+    RequestScope(const RequestScope&) = delete;
+    RequestScope& operator=(const RequestScope&) = delete;
+
+    static RequestScope* current() { return tls_scope; }
+
+    void arguments_done() {
+      if (!decoding_) return;
+      decoding_ = false;
+      wire::detail::tls_tensor_observer = saved_observer_;
+      if (!args_.tensors.empty()) {
+        layer_->record_recv(*ctx_, peer_, tag_.message_id, args_.tensors);
+      }
+    }
+
+   private:
+    static inline thread_local RequestScope* tls_scope = nullptr;
+    const std::shared_ptr<AutogradLayer> layer_;
+    const int peer_;
+    const detail::CallTag tag_;
+    const ContextPtr ctx_;
+    dist_autograd::detail::CurrentContextScope current_;
+    detail::Collector args_;
+    wire::TensorObserver* const saved_observer_;
+    RequestScope* const saved_scope_;
+    bool decoding_ = true;
+  };
+
+  // Counts a pass in num_current_backward_passes while it lives.
+  class PassCount {
+   public:
+    explicit PassCount(AutogradLayer& l) : l_(l) { l_.passes_.fetch_add(1); }
+    ~PassCount() { l_.passes_.fetch_sub(1); }
+    PassCount(const PassCount&) = delete;
+    PassCount& operator=(const PassCount&) = delete;
+
+   private:
+    AutogradLayer& l_;
+  };
+
+  int self_id() const { return host_.host_self().id; }
+
+  std::int64_t next_message_id() {
+    const std::int64_t n = next_message_.fetch_add(2);
+    return (static_cast<std::int64_t>(self_id()) << kCounterBits) | (n & kCounterMask);
+  }
+
+  // One SendRpcBackward for the tensors requiring grad that message `message_id` carried out.
+  static void record_send(DistAutogradContext& ctx, std::int64_t message_id,
+                          const std::vector<at::Tensor>& tensors) {
+    torch::autograd::edge_list edges;
+    for (const auto& t : tensors) edges.push_back(torch::autograd::impl::gradient_edge(t));
+    auto fn = std::make_shared<SendRpcBackward>(std::move(edges));
+    for (const auto& t : tensors) fn->add_input_metadata(t);
+    ctx.add_send(message_id, std::move(fn));
+  }
+
+  // One RecvRpcBackward, the grad_fn of every tensor requiring grad that arrived from `from` in
+  // the message whose send function there is `send_id`.
+  static void record_recv(DistAutogradContext& ctx, int from, std::int64_t send_id,
+                          std::vector<at::Tensor>& tensors) {
+    auto fn = std::make_shared<RecvRpcBackward>(ctx.context_id(), from, send_id);
+    for (auto& t : tensors) torch::autograd::set_history(t, fn);
+    ctx.add_recv(send_id, std::move(fn));
+  }
+
+  Future<void> run_pass(const ContextPtr& ctx, const torch::autograd::edge_list& roots,
+                        const torch::autograd::variable_list& grads, bool retain_graph) {
+    auto self = shared_from_this();
+    return dist_autograd::detail::run_pass(
+        ctx, self_id(), roots, grads, retain_graph,
+        [self, id = ctx->context_id()](const RecvRpcBackward& recv,
+                                       torch::autograd::variable_list g, bool retain) {
+          return self->send_gradients(id, recv, std::move(g), retain);
+        });
+  }
+
+  Future<void> send_gradients(std::int64_t context_id, const RecvRpcBackward& recv,
+                              torch::autograd::variable_list grads, bool retain_graph) {
+    wire::Message m;
+    {
+      wire::TensorObserverScope none(nullptr);  // gradients are not recorded
+      wire::encode(m, context_id, recv.send_id(), retain_graph, grads);
+    }
+    auto reply = host_.host_control_call(
+        recv.from(), control_type(kGradients), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+        "gradients of autograd context " + std::to_string(context_id));
+    return reply.then([](const Future<wire::Message>& r) { (void)r.value(); });
+  }
+
+  // Gradients for one of this worker's send functions: its pass runs on the callback pool; the
+  // reply goes back when that pass, and every pass it started, is done.
+  Future<wire::Message> receive_gradients(const wire::Message& m) {
+    try {
+      return receive_gradients_unwrapped(m);
+    } catch (...) {
+      throw std::runtime_error(dist_autograd::detail::node_error_text(
+          self_id(), dist_autograd::detail::message_of(std::current_exception())));
+    }
+  }
+  Future<wire::Message> receive_gradients_unwrapped(const wire::Message& m) {
+    std::int64_t context_id = -1;
+    std::int64_t send_id = -1;
+    bool retain_graph = false;
+    torch::autograd::variable_list grads;
+    wire::decode(m, context_id, send_id, retain_graph, grads);
+    auto ctx = contexts().retrieve(context_id);
+    auto send = ctx->send_function(send_id);
+    if (!send) {
+      throw std::runtime_error("no send function " + std::to_string(send_id) +
+                               " in autograd context " + std::to_string(context_id));
+    }
+    if (grads.size() != send->num_inputs()) {
+      throw std::runtime_error("gradients for send function " + std::to_string(send_id) +
+                               " carry " + std::to_string(grads.size()) + " tensors, " +
+                               std::to_string(send->num_inputs()) + " expected");
+    }
+    Future<wire::Message> out;
+    auto self = shared_from_this();
+    auto task = [self, ctx, send, grads = std::move(grads), retain_graph, out]() mutable {
+      auto count = std::make_shared<PassCount>(*self);
+      torch::autograd::edge_list roots;
+      for (std::uint32_t i = 0; i < send->num_inputs(); ++i) roots.emplace_back(send, i);
+      Future<void> done;
+      {
+        dist_autograd::detail::CurrentContextScope current(ctx->context_id());
+        done = self->run_pass(ctx, roots, grads, retain_graph);
+      }
+      done.add_done_callback([out, count](const Future<void>& d) {
+        if (d.has_error()) {
+          out.try_set_exception(d.exception_ptr());
+        } else {
+          out.try_set_value(distrpc::detail::empty_response());
+        }
+      });
+    };
+    if (!host_.host_post(std::move(task))) {
+      throw std::runtime_error("the agent of worker " + std::to_string(self_id()) +
+                               " is stopping: backward pass not run");
+    }
+    return out;
+  }
+
+  void send_cleanup(std::int64_t id, const std::set<int>& workers, int except) {
+    for (int w : workers) {
+      if (w == except) continue;
+      send_cleanup_to(w, id, 1, kCleanupBackoff);
+    }
+  }
+
+  void send_cleanup_to(int worker, std::int64_t id, int attempt, std::chrono::milliseconds wait) {
+    if (stopping_.load()) return;
+    wire::Message m;
+    wire::encode(m, id);
+    Future<wire::Message> reply;
+    try {
+      reply = host_.host_control_call(worker, control_type(kCleanup), std::move(m),
+                                      host_.host_timeout(kUnsetRpcTimeout),
+                                      "cleanup of autograd context " + std::to_string(id));
+    } catch (...) {
+      reply = make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    std::weak_ptr<AutogradLayer> weak = weak_from_this();
+    reply.add_done_callback([weak, worker, id, attempt, wait](const Future<wire::Message>& r) {
+      if (!r.has_error()) return;
+      auto self = weak.lock();
+      if (!self || self->stopping_.load()) return;
+      if (attempt >= kCleanupAttempts) {
+        distrpc::detail::log_warning(
+            self->host_.host_self().name,
+            "could not release autograd context " + std::to_string(id) + " on worker " +
+                std::to_string(worker) + " after " + std::to_string(attempt) +
+                " attempts: " + dist_autograd::detail::message_of(r.exception_ptr()));
+        return;
+      }
+      self->host_.host_after(wait, [weak, worker, id, attempt, wait] {
+        if (auto s = weak.lock()) s->send_cleanup_to(worker, id, attempt + 1, wait * 2);
+      });
+    });
+  }
+
+  AgentServices& host_;
+  std::once_flag container_once_;
+  std::unique_ptr<ContextContainer> container_;
+  std::atomic<std::int64_t> next_message_{0};
+  std::atomic<int> passes_{0};
+  std::atomic<bool> stopping_{false};
+};
+
+// Distributed autograd plugs into every agent made after this header is included.
+inline const bool autograd_layer_registered = register_agent_extension(
+    AutogradLayer::kExtensionId, [](AgentServices& host) -> std::shared_ptr<AgentExtension> {
+      return std::make_shared<AutogradLayer>(host);
+    });
+
+}  // namespace distrpc::dist_autograd

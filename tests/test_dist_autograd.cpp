@@ -1,0 +1,618 @@
+// Distributed autograd: contexts, send/recv recording, the distributed backward pass, cleanup,
+// errors and node failure — the acceptance scenarios of PyTorch's dist_autograd_test.py, run on
+// fresh worker processes (worker{rank}, a file:// rendezvous) on the transport under test.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <doctest/doctest.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/types.h>
+
+#include <distrpc/dist_autograd.hpp>
+#include <distrpc/nn/remote_module.hpp>
+#include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
+
+#include "multiprocess.hpp"
+#include "support/rpc_test_util.hpp"
+#include "support/rpc_under_test.hpp"
+
+using namespace distrpc::testing::rpc_names;
+namespace da = distrpc::dist_autograd;
+
+namespace {
+
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() &&
+         a.sizes() == b.sizes() && at::allclose(a.to_dense(), b.to_dense());
+}
+
+// The gradient of `leaf` in context `id` on this worker (undefined when it has none).
+at::Tensor grad_of(std::int64_t id, const at::Tensor& leaf) {
+  auto grads = da::get_gradients(id);
+  auto it = grads.find(leaf);
+  return it == grads.end() ? at::Tensor() : it->value();
+}
+
+}  // namespace
+
+// ---- functions run remotely -------------------------------------------------------------------
+
+namespace ag_test {
+
+at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
+at::Tensor mul(at::Tensor a, at::Tensor b) { return a * b; }
+at::Tensor matmul(at::Tensor a, at::Tensor b) { return at::matmul(a, b); }
+at::Tensor ones_like_of(at::Tensor a) { return at::ones_like(a); }
+at::Tensor returns_new_leaf(int n) { return at::ones({n, n}).requires_grad_(true); }
+std::vector<at::Tensor> add_and_mul(std::vector<at::Tensor> t) { return {t[0] + t[1], t[0] * t[1]}; }
+bool requires_grad_of(at::Tensor a) { return a.requires_grad(); }
+std::tuple<at::Tensor, at::Tensor> mixed_dtypes(at::Tensor f, at::Tensor d) {
+  return {f * 2, d * 3};
+}
+
+// Nested: worker `next` does the add, called from the callee.
+at::Tensor nested_add(std::string next, at::Tensor a, at::Tensor b) {
+  return distrpc::rpc_sync<&add>(next, a, b) * 2;
+}
+
+// The counts of context `id` on this worker: (sends, recvs, known workers).
+std::tuple<int, int, std::vector<int>> counts(std::int64_t id) {
+  auto c = da::retrieve_context(id);
+  const std::set<int> ids = c->known_worker_ids();
+  std::vector<int> known(ids.begin(), ids.end());
+  return {static_cast<int>(c->send_functions().size()),
+          static_cast<int>(c->recv_functions().size()), known};
+}
+bool has_context(std::int64_t id) { return da::has_context(id); }
+int num_gradients(std::int64_t id) { return static_cast<int>(da::get_gradients(id).size()); }
+std::int64_t current_id() { return da::current_context()->context_id(); }
+
+// A backward function that fails while `fail` is set (scenario 12).
+std::atomic<bool> fail_backward{false};
+struct FailingFn : torch::autograd::Function<FailingFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x * 1; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    if (fail_backward.load()) throw std::runtime_error("Simulate error on backward pass");
+    return g;
+  }
+};
+at::Tensor failing(at::Tensor x) { return FailingFn::apply(x); }
+void set_fail(bool f) { fail_backward.store(f); }
+
+}  // namespace ag_test
+
+// ---- 1. contexts -------------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("dist autograd: context ids, retrieval, nesting and release (scenario 1)", 2, 60) {
+  init(ctx);
+  if (ctx.rank == 1) {
+    CHECK(da::max_context_id() == 562949953421311LL);
+    std::vector<std::int64_t> ids;
+    for (int i = 0; i < 200; ++i) {
+      da::Context c;
+      CHECK((c.id() >> 48) == 1);
+      CHECK(da::retrieve_context(c.id())->context_id() == c.id());
+      CHECK(da::current_context()->context_id() == c.id());
+      ids.push_back(c.id());
+      CHECK(contains(error_of([] { da::Context nested; }),
+                     "Already have an autograd context id for this thread"));
+    }
+    CHECK(ids.front() == (std::int64_t{1} << 48));
+    for (auto id : ids) {
+      CHECK(error_of([&] { da::retrieve_context(id); }) ==
+            "Could not find autograd context with id: " + std::to_string(id));
+    }
+    CHECK(contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
+    CHECK(error_of([] { da::backward(100, {torch::ones({1}, torch::requires_grad()).sum()}); }) ==
+          "Could not find autograd context with id: 100");
+    // new_context / release_context without a scope.
+    const auto id = da::new_context();
+    CHECK(da::current_context()->context_id() == id);
+    da::release_context(id);
+    CHECK_FALSE(da::has_context(id));
+    CHECK(contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
+    CHECK(contains(error_of([&] { da::release_context(id); }), "Could not find autograd context"));
+  }
+  distrpc::shutdown();
+}
+
+// ---- 2-6. simple calls: gradients, graph shapes, counts ----------------------------------------
+
+DISTRPC_MP_TEST(
+    "dist autograd: add and mul over rpc_sync, rpc_async, remote().to_here() and to self; graph "
+    "shapes and counts (scenarios 2, 3) on every transport",
+    2, 90) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    for (const std::string dst : {"worker1", "worker0"}) {
+      for (int path = 0; path < 3; ++path) {
+        INFO("dst " << dst << " path " << path);
+        da::Context c;
+        at::Tensor t1 = torch::ones({3, 3}, torch::requires_grad());
+        at::Tensor t2 = torch::zeros({3, 3}, torch::requires_grad());
+        at::Tensor ret;
+        if (path == 0) ret = distrpc::rpc_sync<&ag_test::add>(dst, t1, t2);
+        if (path == 1) ret = distrpc::rpc_async<&ag_test::add>(dst, t1, t2).value();
+        if (path == 2) ret = distrpc::remote<&ag_test::add>(dst, t1, t2).to_here();
+        REQUIRE(ret.grad_fn());
+        auto cc = da::current_context();
+        if (dst == "worker1") {
+          CHECK(ret.grad_fn()->name() == "torch::distributed::autograd::RecvRpcBackward");
+          CHECK(cc->send_functions().size() == 1);
+          CHECK(cc->recv_functions().size() == 1);
+          auto send = cc->send_functions().begin()->second;
+          CHECK(send->name() == "torch::distributed::autograd::SendRpcBackward");
+          REQUIRE(send->next_edges().size() == 2);
+          CHECK(send->next_edges()[0].function->name() == "torch::autograd::AccumulateGrad");
+          CHECK(send->next_edges()[0].input_nr == 0);
+          CHECK(cc->known_worker_ids() == std::set<int>{1});
+          auto [s, r, known] = distrpc::rpc_sync<&ag_test::counts>(dst, c.id());
+          CHECK(s == 1);
+          CHECK(r == 1);
+          CHECK(known == std::vector<int>{0});
+        } else if (path != 2) {
+          // To itself: caller and callee share the context (a send and a recv each way), as in
+          // PyTorch. remote() to self keeps the value local: to_here() carries nothing.
+          CHECK(cc->send_functions().size() == 2);
+          CHECK(cc->recv_functions().size() == 2);
+          CHECK(cc->known_worker_ids() == std::set<int>{0});
+        }
+        da::backward(c.id(), {ret.sum()});
+        CHECK(same(grad_of(c.id(), t1), at::ones({3, 3})));
+        CHECK(same(grad_of(c.id(), t2), at::ones({3, 3})));
+        CHECK_FALSE(t1.grad().defined());
+        CHECK_FALSE(t2.grad().defined());
+      }
+    }
+    // Mul: t1 = 2, t2 = 3 -> {t1: 3, t2: 2}.
+    da::Context c;
+    at::Tensor t1 = (at::ones({3, 3}) * 2).requires_grad_(true);
+    at::Tensor t2 = (at::ones({3, 3}) * 3).requires_grad_(true);
+    auto ret = distrpc::rpc_sync<&ag_test::mul>("worker1", t1, t2);
+    da::backward(c.id(), {ret.sum()});
+    CHECK(same(grad_of(c.id(), t1), at::ones({3, 3}) * 3));
+    CHECK(same(grad_of(c.id(), t2), at::ones({3, 3}) * 2));
+    CHECK(da::get_gradients(c.id()).size() == 2);
+  }
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: no graph without grad tensors; mixed dtypes; mixed requires_grad; gradient "
+    "only on the return value; 10 tensors of which 5 require grad (scenarios 4-6)",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    {
+      da::Context c;
+      auto ret = distrpc::rpc_sync<&ag_test::add>("worker1", at::ones({2}), at::ones({2}));
+      CHECK_FALSE(ret.requires_grad());
+      CHECK(da::current_context()->send_functions().empty());
+      CHECK(da::current_context()->recv_functions().empty());
+      // The context id still travels: the callee has the context.
+      CHECK(distrpc::rpc_sync<&ag_test::has_context>("worker1", c.id()));
+      CHECK(da::current_context()->known_worker_ids() == std::set<int>{1});
+    }
+    {
+      da::Context c;
+      at::Tensor f = torch::ones({2}, torch::requires_grad());
+      at::Tensor d = torch::ones({2}, torch::dtype(torch::kDouble).requires_grad(true));
+      auto [a, b] = distrpc::rpc_sync<&ag_test::mixed_dtypes>("worker1", f, d);
+      da::backward(c.id(), {a.sum() + b.sum().to(at::kFloat)});
+      CHECK((grad_of(c.id(), f).scalar_type() == at::kFloat));
+      CHECK((grad_of(c.id(), d).scalar_type() == at::kDouble));
+      CHECK(same(grad_of(c.id(), f), at::full({2}, 2.0)));
+      CHECK(same(grad_of(c.id(), d), at::full({2}, 3.0, at::kDouble)));
+    }
+    {
+      da::Context c;
+      at::Tensor t1 = torch::ones({2}, torch::requires_grad());
+      at::Tensor t2 = at::ones({2});
+      CHECK_FALSE(distrpc::rpc_sync<&ag_test::requires_grad_of>("worker1", t2));
+      CHECK(distrpc::rpc_sync<&ag_test::requires_grad_of>("worker1", t1));
+      auto ret = distrpc::rpc_sync<&ag_test::mul>("worker1", t1, t2);
+      da::backward(c.id(), {ret.sum()});
+      auto g = da::get_gradients(c.id());
+      CHECK(g.size() == 1);
+      CHECK(same(grad_of(c.id(), t1), at::ones({2})));
+    }
+    {
+      da::Context c;
+      auto ret = distrpc::rpc_sync<&ag_test::returns_new_leaf>("worker1", 3);
+      REQUIRE(ret.requires_grad());
+      CHECK(da::current_context()->send_functions().empty());
+      CHECK(da::current_context()->recv_functions().size() == 1);
+      da::backward(c.id(), {ret.sum()});
+      CHECK(distrpc::rpc_sync<&ag_test::num_gradients>("worker1", c.id()) == 1);
+    }
+    {
+      da::Context c;
+      std::vector<at::Tensor> ten;
+      for (int i = 0; i < 10; ++i) ten.push_back(i % 2 == 0 ? torch::ones({1}, torch::requires_grad()) : at::ones({1}));
+      auto out = distrpc::rpc_sync<&ag_test::add_and_mul>("worker1", ten);
+      (void)out;
+      auto sends = da::current_context()->send_functions();
+      REQUIRE(sends.size() == 1);
+      CHECK(sends.begin()->second->next_edges().size() == 5);
+    }
+  }
+  distrpc::shutdown();
+}
+
+// ---- 9. accumulation and retain_graph; 1.12 unused send completes ------------------------------
+
+DISTRPC_MP_TEST(
+    "dist autograd: accumulation over passes, 1000 retained passes, second pass without "
+    "retain_graph fails, an unused RPC result does not hang backward (scenario 9, §1.12)",
+    2, 120) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    {
+      da::Context c;
+      at::Tensor t1 = torch::ones({3, 3}, torch::requires_grad());
+      at::Tensor t2 = torch::ones({3, 3}, torch::requires_grad());
+      auto loss = distrpc::rpc_sync<&ag_test::mul>("worker1", t1, t2).exp().sum();
+      for (int i = 0; i < 1000; ++i) da::backward(c.id(), {loss}, /*retain_graph=*/true);
+      // Local reference: 1000 passes.
+      at::Tensor l1 = t1.detach().requires_grad_(true);
+      at::Tensor l2 = t2.detach().requires_grad_(true);
+      auto local = (l1 * l2).exp().sum();
+      auto g = torch::autograd::grad({local}, {l1}, {}, true)[0] * 1000;
+      CHECK(at::allclose(grad_of(c.id(), t1), g, 1e-4, 1e-4));
+      da::backward(c.id(), {loss}, /*retain_graph=*/false);
+      CHECK(contains(error_of([&] { da::backward(c.id(), {loss}); }),
+                     "Trying to backward through the graph a second time"));
+      CHECK(contains(error_of([&] { da::backward(c.id(), {loss}); }), "Error on Node "));
+    }
+    {
+      // The result of the second RPC is never used: the pass still completes.
+      da::Context c;
+      at::Tensor t1 = torch::ones({3, 3}, torch::requires_grad());
+      auto used = distrpc::rpc_sync<&ag_test::add>("worker1", t1, t1);
+      auto unused = distrpc::rpc_sync<&ag_test::mul>("worker1", t1, t1);
+      (void)unused;
+      auto local = (t1 * 3).sum();
+      da::backward(c.id(), {local});
+      CHECK(same(grad_of(c.id(), t1), at::full({3, 3}, 3.0)));
+      da::backward(c.id(), {used.sum()});
+      CHECK(same(grad_of(c.id(), t1), at::full({3, 3}, 5.0)));
+    }
+  }
+  distrpc::shutdown();
+}
+
+// ---- 10. hooks; invalid roots ------------------------------------------------------------------
+
+DISTRPC_MP_TEST("dist autograd: tensor hooks and post hooks apply; root validation texts (§1.4, §1.8)",
+                2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    {
+      da::Context c;
+      at::Tensor t1 = torch::ones({3, 3}, torch::requires_grad());
+      at::Tensor t2 = torch::ones({3, 3}, torch::requires_grad());
+      t1.register_hook([](at::Tensor g) { return g * 2; });
+      auto ret = distrpc::rpc_sync<&ag_test::matmul>("worker1", t1, t2);
+      da::backward(c.id(), {ret.sum()});
+      CHECK(same(grad_of(c.id(), t1), at::full({3, 3}, 6.0)));
+      CHECK(same(grad_of(c.id(), t2), at::full({3, 3}, 3.0)));
+    }
+    {
+      da::Context c;
+      CHECK(error_of([&] { da::backward(c.id(), {}); }) ==
+            "No tensors provided for gradient computation.");
+      CHECK(contains(error_of([&] { da::backward(c.id(), {at::ones({1})}); }),
+                     "requires_grad not set on"));
+      at::Tensor leaf = torch::ones({1}, torch::requires_grad());
+      CHECK(contains(error_of([&] { da::backward(c.id(), {(leaf * at::ones({2}))}); }),
+                     "is not a scalar, all roots need to be scalar"));
+      CHECK(contains(error_of([&] { da::backward(c.id(), {leaf}); }),
+                     "does not have a valid gradient function"));
+      // Several roots, no RPC at all.
+      at::Tensor a = torch::ones({2}, torch::requires_grad());
+      da::backward(c.id(), {(a * 2).sum(), (a * 3).sum()});
+      CHECK(same(grad_of(c.id(), a), at::full({2}, 5.0)));
+      CHECK_FALSE(a.grad().defined());
+    }
+  }
+  distrpc::shutdown();
+}
+
+// ---- nested calls over 3 workers; cleanup on every worker --------------------------------------
+
+DISTRPC_MP_TEST(
+    "dist autograd: nested calls over 3 workers give the local gradients; leaving the scope "
+    "releases the context on every worker, transitively, within 10 s (scenario 13)",
+    3, 90) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    std::int64_t id = -1;
+    at::Tensor t1 = torch::rand({3, 3}, torch::requires_grad());
+    at::Tensor t2 = torch::rand({3, 3}, torch::requires_grad());
+    {
+      da::Context c;
+      id = c.id();
+      auto ret = distrpc::rpc_sync<&ag_test::nested_add>("worker1", std::string("worker2"), t1, t2);
+      da::backward(c.id(), {(ret * ret).sum()});
+      at::Tensor l1 = t1.detach().requires_grad_(true);
+      at::Tensor l2 = t2.detach().requires_grad_(true);
+      auto r = (l1 + l2) * 2;
+      (r * r).sum().backward();
+      CHECK(same(grad_of(id, t1), l1.grad()));
+      CHECK(same(grad_of(id, t2), l2.grad()));
+      CHECK(distrpc::rpc_sync<&ag_test::has_context>("worker2", id));
+    }
+    const auto t0 = Clock::now();
+    bool gone = false;
+    while (!gone && ms_since(t0) < 10000) {
+      gone = !distrpc::rpc_sync<&ag_test::has_context>("worker1", id) &&
+             !distrpc::rpc_sync<&ag_test::has_context>("worker2", id);
+      if (!gone) std::this_thread::sleep_for(20ms);
+    }
+    CHECK(gone);
+    auto info = da::get_debug_info();
+    CHECK(info.size() == 2);
+    CHECK(info.at("num_current_backward_passes") == "0");
+    CHECK(info.at("num_autograd_contexts") == "0");
+  }
+  distrpc::shutdown();
+}
+
+// ---- 12. errors during backward ----------------------------------------------------------------
+
+DISTRPC_MP_TEST(
+    "dist autograd: an error in a remote backward function fails backward with 'Error on Node N', "
+    "the context and the retained graph survive; a failing forward RPC (scenario 12)",
+    2, 90) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    da::Context c;
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    auto loss = distrpc::rpc_sync<&ag_test::failing>("worker1", t).sum();
+    distrpc::rpc_sync<&ag_test::set_fail>("worker1", true);
+    for (int i = 0; i < 100; ++i) {
+      if (i == 50) distrpc::rpc_sync<&ag_test::set_fail>("worker1", false);
+      const std::string e = error_of([&] { da::backward(c.id(), {loss}, true); });
+      if (i < 50) {
+        CHECK(contains(e, "Error on Node 1: "));
+        CHECK(contains(e, "Simulate error on backward pass"));
+      } else {
+        CHECK(e.empty());
+      }
+    }
+    CHECK(same(grad_of(c.id(), t), at::full({2}, 50.0)));
+    CHECK(contains(error_of([&] {
+                     distrpc::rpc_sync<&ag_test::matmul>("worker1", torch::ones({3, 3}, torch::requires_grad()),
+                                                        at::ones({6, 6}));
+                   }),
+                   "mat1 and mat2 shapes cannot be multiplied"));
+  }
+  distrpc::shutdown();
+}
+
+// ---- RemoteModule forward inside a context -----------------------------------------------------
+
+namespace ag_test {
+struct LinearIface {
+  virtual ~LinearIface() = default;
+  virtual at::Tensor forward(at::Tensor x) = 0;
+};
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: RemoteModule forward; gradients of the module's parameters land on the owner "
+    "in the same context",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto rm = distrpc::nn::RemoteModule<ag_test::LinearIface>::create<torch::nn::Linear>("worker1/cpu", 4, 3);
+    at::Tensor x = torch::rand({2, 4}, torch::requires_grad());
+    da::Context c;
+    auto y = rm.forward(x);
+    da::backward(c.id(), {y.sum()});
+    auto params = rm.remote_parameters();
+    REQUIRE(params.size() == 2);
+    // x's gradient = ones(2,3) @ W.
+    at::Tensor w = params[0].to_here();
+    CHECK(at::allclose(grad_of(c.id(), x), at::ones({2, 3}).matmul(w)));
+    CHECK(distrpc::rpc_sync<&ag_test::num_gradients>("worker1", c.id()) == 2);
+  }
+  distrpc::shutdown();
+}
+
+// ---- 14. node failure --------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("dist autograd: a worker that dies before backward fails it on the others "
+                "within the RPC timeout, naming it (scenario 14)",
+                2, 60) {
+  RpcBackendOptions o;
+  o.rpc_timeout = std::chrono::seconds(5);
+  init(ctx, o);
+  da::Context c;
+  at::Tensor t = torch::ones({2}, torch::requires_grad());
+  auto ret = distrpc::rpc_sync<&ag_test::add>(wname(1 - ctx.rank), t, t);
+  ctx.publish("forward-" + std::to_string(ctx.rank), "1");
+  ctx.lookup("forward-" + std::to_string(1 - ctx.rank), std::chrono::seconds(20));
+  if (ctx.rank == 1) _exit(0);
+  std::this_thread::sleep_for(200ms);
+  const auto t0 = Clock::now();
+  const std::string e = error_of([&] { da::backward(c.id(), {ret.sum()}); });
+  CHECK(ms_since(t0) < 5500);
+  CHECK(contains(e, "Error on Node 0"));
+  CHECK(contains(e, "worker1"));
+  distrpc::shutdown(false);
+}
+
+// ---- 7. RRef-held leaves; §1.13 RRef made outside a context ------------------------------------
+
+namespace ag_test {
+at::Tensor make_leaf(int n) { return at::ones({n, n}).requires_grad_(true); }
+// The owner's value of `r` times 3 (a proxy-free use: the owner's local value).
+at::Tensor triple_local(distrpc::RRef<at::Tensor> r) { return r.local_value() * 3; }
+// The gradient the owner holds for its value of `r` in context `id`.
+at::Tensor owner_grad(distrpc::RRef<at::Tensor> r, std::int64_t id) {
+  auto g = da::get_gradients(id);
+  auto it = g.find(r.local_value());
+  return it == g.end() ? at::Tensor() : it->value();
+}
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: an RRef-held leaf gets its gradient on the owner, in the same context, also "
+    "through a third worker; an RRef made outside a context fetched inside one (scenario 7, §1.13)",
+    3, 90) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    // Made outside any context: worker1 owns a leaf.
+    auto leaf = distrpc::remote<&ag_test::make_leaf>("worker1", 2);
+    {
+      da::Context c;
+      at::Tensor v = leaf.to_here();  // the owner records the send in this context
+      REQUIRE(v.grad_fn());
+      CHECK(v.grad_fn()->name() == "torch::distributed::autograd::RecvRpcBackward");
+      da::backward(c.id(), {(v * 2).sum()});
+      CHECK(same(distrpc::rpc_sync<&ag_test::owner_grad>("worker1", leaf, c.id()),
+                  at::full({2, 2}, 2.0)));
+      CHECK(da::get_gradients(c.id()).size() == 0);
+    }
+    {
+      // Forked to worker2, which uses the owner's value through worker1.
+      da::Context c;
+      auto t = distrpc::rpc_sync<&ag_test::triple_local>("worker1", leaf);
+      auto u = distrpc::rpc_sync<&ag_test::add>("worker2", t, t);
+      da::backward(c.id(), {u.sum()});
+      CHECK(same(distrpc::rpc_sync<&ag_test::owner_grad>("worker1", leaf, c.id()),
+                  at::full({2, 2}, 6.0)));
+    }
+  }
+  distrpc::shutdown();
+}
+
+// ---- 8 and 16. concurrent contexts are isolated ------------------------------------------------
+
+DISTRPC_MP_TEST(
+    "dist autograd: 3 workers x 20 threads = 60 concurrent contexts against worker0, each 4 RPCs "
+    "and a backward, isolated (scenarios 8, 16)",
+    4, 120) {
+  init(ctx);
+  if (ctx.rank != 0) {
+    std::vector<std::thread> threads;
+    std::atomic<int> bad{0};
+    for (int i = 0; i < 20; ++i) {
+      threads.emplace_back([&, i] {
+        try {
+          da::Context c;
+          at::Tensor t1 = at::full({3, 3}, static_cast<double>(i + 1)).requires_grad_(true);
+          at::Tensor t2 = torch::ones({3, 3}, torch::requires_grad());
+          at::Tensor acc = t1;
+          for (int k = 0; k < 4; ++k) acc = distrpc::rpc_sync<&ag_test::mul>("worker0", acc, t2);
+          da::backward(c.id(), {acc.sum()});
+          // d(t1 * t2^4)/dt1 = 1; d/dt2 = 4 * t1 (t2 = 1).
+          if (!same(grad_of(c.id(), t1), at::ones({3, 3})) ||
+              !same(grad_of(c.id(), t2), at::full({3, 3}, 4.0 * (i + 1)))) {
+            bad.fetch_add(1);
+          }
+        } catch (const std::exception& e) {
+          MESSAGE("thread " << i << ": " << e.what());
+          bad.fetch_add(1);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    CHECK(bad.load() == 0);
+  }
+  distrpc::shutdown();
+  if (ctx.rank == 0) CHECK(true);
+}
+
+// ---- 11. sparse --------------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("dist autograd: sparse COO tensors: remote add, sparse sum, gradients equal the "
+                "local ones (scenario 11)",
+                2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto make = [] {
+      auto i = at::tensor({0, 1, 1, 0, 2, 1}, at::kLong).view({2, 3});
+      auto v = at::tensor({3.0f, 4.0f, 5.0f});
+      return at::sparse_coo_tensor(i, v, {2, 3}).requires_grad_(true);
+    };
+    at::Tensor a = make();
+    at::Tensor b = make();
+    da::Context c;
+    auto ret = distrpc::rpc_sync<&ag_test::add>("worker1", a, b);
+    da::backward(c.id(), {at::_sparse_sum(ret)});
+    at::Tensor la = make();
+    at::Tensor lb = make();
+    at::_sparse_sum(la + lb).backward();
+    CHECK(same(grad_of(c.id(), a), la.grad()));
+    CHECK(same(grad_of(c.id(), b), lb.grad()));
+  }
+  distrpc::shutdown();
+}
+
+// ---- §1.13 callbacks; §1.15 profiling ----------------------------------------------------------
+
+DISTRPC_MP_TEST("dist autograd: the context travels into Future callbacks; the profiler sees "
+                "the send, recv and backward events (§1.13, §1.15)",
+                2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    da::Context c;
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    auto f = distrpc::rpc_async<&ag_test::add>("worker1", t, t).then([](Future<at::Tensor>& r) {
+      // Inside the callback: the same context, and a nested call records in it.
+      return std::make_pair(da::current_context()->context_id(),
+                            distrpc::rpc_sync<&ag_test::mul>("worker1", r.value(), r.value()));
+    });
+    auto [id, sq] = f.value();
+    CHECK(id == c.id());
+    CHECK(da::current_context()->send_functions().size() == 2);
+    // Profiling: what RecordFunction sees on this worker during the backward.
+    static std::mutex mu;
+    static std::map<std::string, int> seen;
+    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(
+        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          std::lock_guard<std::mutex> lk(mu);
+          ++seen[fn.name()];
+          return nullptr;
+        }));
+    da::backward(c.id(), {sq.sum()});
+    at::removeCallback(handle);
+    CHECK(same(grad_of(c.id(), t), at::full({2}, 8.0)));
+    std::lock_guard<std::mutex> lk(mu);
+    CHECK(seen["torch::distributed::autograd::backward"] == 1);
+    CHECK(seen["torch::distributed::autograd::SendRpcBackward"] >= 1);
+    CHECK(seen["torch::distributed::autograd::RecvRpcBackward"] >= 1);
+  }
+  distrpc::shutdown();
+}
