@@ -23,11 +23,13 @@ layer_of() {
     distrpc/dist.hpp | distrpc/dist/*) echo 5 ;;                               # dist (beside agent)
     distrpc/rref.hpp | distrpc/rref/*) echo 6 ;;                              # refs
     distrpc/nn/*) echo 7 ;;                                                   # modules
+    distrpc/dist_autograd.hpp | distrpc/autograd/* | distrpc/dist_optim.hpp | \
+      distrpc/optim/*) echo 8 ;;                                              # autograd
     distrpc/distrpc.hpp) echo 9 ;;                                            # everything
     *) echo "?" ;;
   esac
 }
-names=(values net wire store transport agent refs modules - umbrella)
+names=(values net wire store transport agent refs modules autograd umbrella)
 
 exceptions=tests/layering/known_exceptions.txt
 declare -A known=()
