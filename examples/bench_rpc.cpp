@@ -18,7 +18,11 @@
 // remote_fwd_us    median RemoteModule<torch::nn::Linear(64,64)>.forward round trip, input 8x64
 // local_fwd_us     median forward of the same Linear(64,64) on the same input, in this process
 //                  (the target: remote_fwd_us <= 1.2 x (echo_small_us + local_fwd_us))
-// dist_step_us: null until distributed autograd exists.
+// dist_step_us     median distributed-autograd step, as torch_rpc_ref.py measures it: in a fresh
+//                  context, that RemoteModule's forward on an 8x64 input requiring grad, .sum(),
+//                  the distributed backward, get_gradients (500 steps after 50)
+// local_step_us    the same module's forward + backward run locally (the target:
+//                  dist_step_us <= 1.25 x (2 x echo_small_us + local_step_us))
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -36,6 +40,7 @@
 
 #include <torch/torch.h>
 
+#include "distrpc/dist_autograd.hpp"
 #include "distrpc/distrpc.hpp"
 #include "distrpc/nn/remote_module.hpp"
 #include "distrpc/transport/tcp.hpp"
@@ -181,6 +186,8 @@ int run_worker(const Args& a) {
     const int fwd_calls = std::max(10, a.small / 2);
     double remote_fwd = 0;
     double local_fwd = 0;
+    double dist_step = 0;
+    double local_step = 0;
     {
       auto rm = distrpc::nn::RemoteModule<LinearInterface>::create<torch::nn::Linear>("worker1/cpu",
                                                                                       64, 64);
@@ -188,6 +195,22 @@ int run_worker(const Args& a) {
       remote_fwd = median_us([&] { (void)rm.forward(x); }, fwd_calls, fwd_calls / 10);
       torch::nn::Linear local(64, 64);
       local_fwd = median_us([&] { (void)local->forward(x); }, fwd_calls, fwd_calls / 10);
+      const at::Tensor xg = torch::randn({8, 64}, torch::requires_grad());
+      const int steps = std::max(10, a.small / 4);
+      dist_step = median_us(
+          [&] {
+            distrpc::dist_autograd::Context ctx;
+            at::Tensor loss = rm.forward(xg).sum();
+            distrpc::dist_autograd::backward(ctx.id(), {loss});
+            (void)distrpc::dist_autograd::get_gradients(ctx.id());
+          },
+          steps, steps / 10);
+      local_step = median_us(
+          [&] {
+            at::Tensor loss = local->forward(xg).sum();
+            (void)torch::autograd::grad({loss}, {xg, local->weight, local->bias});
+          },
+          steps, steps / 10);
     }
     const at::Tensor big = torch::ones({16 * 1024 * 1024});
     const double big_us =
@@ -227,15 +250,15 @@ int run_worker(const Args& a) {
     const double w1_after = distrpc::rpc_sync<&process_cpu_seconds>("worker1");
     const double idle_pct = 100.0 * ((w0_after - w0_before) + (w1_after - w1_before)) / idle_wall;
     std::ofstream out(a.out);
-    char buf[512];
+    char buf[768];
     std::snprintf(buf, sizeof buf,
                   "{\"transport\": \"%s\", \"echo_small_us\": %.1f, \"echo_64MiB_GBps\": %.3f, "
                   "\"async_small_cps\": %.0f, \"async_small_cps_first\": %.0f, "
                   "\"async_small_cps_min\": %.0f, \"idle_cpu_pct\": %.2f, "
                   "\"remote_to_here_us\": %.1f, \"remote_fwd_us\": %.1f, \"local_fwd_us\": %.1f, "
-                  "\"dist_step_us\": null}",
+                  "\"dist_step_us\": %.1f, \"local_step_us\": %.1f}",
                   a.transport.c_str(), echo_small, gbps, cps, cps_first, cps_min, idle_pct,
-                  remote_to_here, remote_fwd, local_fwd);
+                  remote_to_here, remote_fwd, local_fwd, dist_step, local_step);
     out << buf << "\n";
   }
   distrpc::shutdown();

@@ -20,6 +20,7 @@
 #include <c10/util/Exception.h>
 #include <doctest/doctest.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/types.h>
 
@@ -36,18 +37,6 @@ using namespace distrpc::testing::rpc_names;
 namespace da = distrpc::dist_autograd;
 
 namespace {
-
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return {};
-}
 
 bool same(const at::Tensor& a, const at::Tensor& b) {
   return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() &&
@@ -67,13 +56,27 @@ at::Tensor grad_of(std::int64_t id, const at::Tensor& leaf) {
 
 namespace ag_test {
 
-at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
-at::Tensor mul(at::Tensor a, at::Tensor b) { return a * b; }
-at::Tensor matmul(at::Tensor a, at::Tensor b) { return at::matmul(a, b); }
-at::Tensor ones_like_of(at::Tensor a) { return at::ones_like(a); }
-at::Tensor returns_new_leaf(int n) { return at::ones({n, n}).requires_grad_(true); }
-std::vector<at::Tensor> add_and_mul(std::vector<at::Tensor> t) { return {t[0] + t[1], t[0] * t[1]}; }
-bool requires_grad_of(at::Tensor a) { return a.requires_grad(); }
+at::Tensor add(at::Tensor a, at::Tensor b) {
+  return a + b;
+}
+at::Tensor mul(at::Tensor a, at::Tensor b) {
+  return a * b;
+}
+at::Tensor matmul(at::Tensor a, at::Tensor b) {
+  return at::matmul(a, b);
+}
+at::Tensor ones_like_of(at::Tensor a) {
+  return at::ones_like(a);
+}
+at::Tensor returns_new_leaf(int n) {
+  return at::ones({n, n}).requires_grad_(true);
+}
+std::vector<at::Tensor> add_and_mul(std::vector<at::Tensor> t) {
+  return {t[0] + t[1], t[0] * t[1]};
+}
+bool requires_grad_of(at::Tensor a) {
+  return a.requires_grad();
+}
 std::tuple<at::Tensor, at::Tensor> mixed_dtypes(at::Tensor f, at::Tensor d) {
   return {f * 2, d * 3};
 }
@@ -91,9 +94,15 @@ std::tuple<int, int, std::vector<int>> counts(std::int64_t id) {
   return {static_cast<int>(c->send_functions().size()),
           static_cast<int>(c->recv_functions().size()), known};
 }
-bool has_context(std::int64_t id) { return da::has_context(id); }
-int num_gradients(std::int64_t id) { return static_cast<int>(da::get_gradients(id).size()); }
-std::int64_t current_id() { return da::current_context()->context_id(); }
+bool has_context(std::int64_t id) {
+  return da::has_context(id);
+}
+int num_gradients(std::int64_t id) {
+  return static_cast<int>(da::get_gradients(id).size());
+}
+std::int64_t current_id() {
+  return da::current_context()->context_id();
+}
 
 // A backward function that fails while `fail` is set (scenario 12).
 std::atomic<bool> fail_backward{false};
@@ -105,8 +114,12 @@ struct FailingFn : torch::autograd::Function<FailingFn> {
     return g;
   }
 };
-at::Tensor failing(at::Tensor x) { return FailingFn::apply(x); }
-void set_fail(bool f) { fail_backward.store(f); }
+at::Tensor failing(at::Tensor x) {
+  return FailingFn::apply(x);
+}
+void set_fail(bool f) {
+  fail_backward.store(f);
+}
 
 }  // namespace ag_test
 
@@ -131,7 +144,8 @@ DISTRPC_MP_TEST("dist autograd: context ids, retrieval, nesting and release (sce
       CHECK(error_of([&] { da::retrieve_context(id); }) ==
             "Could not find autograd context with id: " + std::to_string(id));
     }
-    CHECK(contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
+    CHECK(
+        contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
     CHECK(error_of([] { da::backward(100, {torch::ones({1}, torch::requires_grad()).sum()}); }) ==
           "Could not find autograd context with id: 100");
     // new_context / release_context without a scope.
@@ -139,7 +153,8 @@ DISTRPC_MP_TEST("dist autograd: context ids, retrieval, nesting and release (sce
     CHECK(da::current_context()->context_id() == id);
     da::release_context(id);
     CHECK_FALSE(da::has_context(id));
-    CHECK(contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
+    CHECK(
+        contains(error_of([] { da::current_context(); }), "doesn't have a valid autograd context"));
     CHECK(contains(error_of([&] { da::release_context(id); }), "Could not find autograd context"));
   }
   distrpc::shutdown();
@@ -257,7 +272,8 @@ DISTRPC_MP_TEST(
     {
       da::Context c;
       std::vector<at::Tensor> ten;
-      for (int i = 0; i < 10; ++i) ten.push_back(i % 2 == 0 ? torch::ones({1}, torch::requires_grad()) : at::ones({1}));
+      for (int i = 0; i < 10; ++i)
+        ten.push_back(i % 2 == 0 ? torch::ones({1}, torch::requires_grad()) : at::ones({1}));
       auto out = distrpc::rpc_sync<&ag_test::add_and_mul>("worker1", ten);
       (void)out;
       auto sends = da::current_context()->send_functions();
@@ -312,8 +328,8 @@ DISTRPC_MP_TEST(
 
 // ---- 10. hooks; invalid roots ------------------------------------------------------------------
 
-DISTRPC_MP_TEST("dist autograd: tensor hooks and post hooks apply; root validation texts (§1.4, §1.8)",
-                2, 60) {
+DISTRPC_MP_TEST(
+    "dist autograd: tensor hooks and post hooks apply; root validation texts (§1.4, §1.8)", 2, 60) {
   init(ctx);
   if (ctx.rank == 0) {
     {
@@ -411,8 +427,8 @@ DISTRPC_MP_TEST(
     }
     CHECK(same(grad_of(c.id(), t), at::full({2}, 50.0)));
     CHECK(contains(error_of([&] {
-                     distrpc::rpc_sync<&ag_test::matmul>("worker1", torch::ones({3, 3}, torch::requires_grad()),
-                                                        at::ones({6, 6}));
+                     distrpc::rpc_sync<&ag_test::matmul>(
+                         "worker1", torch::ones({3, 3}, torch::requires_grad()), at::ones({6, 6}));
                    }),
                    "mat1 and mat2 shapes cannot be multiplied"));
   }
@@ -434,7 +450,8 @@ DISTRPC_MP_TEST(
     2, 60) {
   init(ctx);
   if (ctx.rank == 0) {
-    auto rm = distrpc::nn::RemoteModule<ag_test::LinearIface>::create<torch::nn::Linear>("worker1/cpu", 4, 3);
+    auto rm = distrpc::nn::RemoteModule<ag_test::LinearIface>::create<torch::nn::Linear>(
+        "worker1/cpu", 4, 3);
     at::Tensor x = torch::rand({2, 4}, torch::requires_grad());
     da::Context c;
     auto y = rm.forward(x);
@@ -451,9 +468,10 @@ DISTRPC_MP_TEST(
 
 // ---- 14. node failure --------------------------------------------------------------------------
 
-DISTRPC_MP_TEST("dist autograd: a worker that dies before backward fails it on the others "
-                "within the RPC timeout, naming it (scenario 14)",
-                2, 60) {
+DISTRPC_MP_TEST(
+    "dist autograd: a worker that dies before backward fails it on the others "
+    "within the RPC timeout, naming it (scenario 14)",
+    2, 60) {
   RpcBackendOptions o;
   o.rpc_timeout = std::chrono::seconds(5);
   init(ctx, o);
@@ -475,9 +493,13 @@ DISTRPC_MP_TEST("dist autograd: a worker that dies before backward fails it on t
 // ---- 7. RRef-held leaves; §1.13 RRef made outside a context ------------------------------------
 
 namespace ag_test {
-at::Tensor make_leaf(int n) { return at::ones({n, n}).requires_grad_(true); }
+at::Tensor make_leaf(int n) {
+  return at::ones({n, n}).requires_grad_(true);
+}
 // The owner's value of `r` times 3 (a proxy-free use: the owner's local value).
-at::Tensor triple_local(distrpc::RRef<at::Tensor> r) { return r.local_value() * 3; }
+at::Tensor triple_local(distrpc::RRef<at::Tensor> r) {
+  return r.local_value() * 3;
+}
 // The gradient the owner holds for its value of `r` in context `id`.
 at::Tensor owner_grad(distrpc::RRef<at::Tensor> r, std::int64_t id) {
   auto g = da::get_gradients(id);
@@ -501,7 +523,7 @@ DISTRPC_MP_TEST(
       CHECK(v.grad_fn()->name() == "torch::distributed::autograd::RecvRpcBackward");
       da::backward(c.id(), {(v * 2).sum()});
       CHECK(same(distrpc::rpc_sync<&ag_test::owner_grad>("worker1", leaf, c.id()),
-                  at::full({2, 2}, 2.0)));
+                 at::full({2, 2}, 2.0)));
       CHECK(da::get_gradients(c.id()).size() == 0);
     }
     {
@@ -511,7 +533,7 @@ DISTRPC_MP_TEST(
       auto u = distrpc::rpc_sync<&ag_test::add>("worker2", t, t);
       da::backward(c.id(), {u.sum()});
       CHECK(same(distrpc::rpc_sync<&ag_test::owner_grad>("worker1", leaf, c.id()),
-                  at::full({2, 2}, 6.0)));
+                 at::full({2, 2}, 6.0)));
     }
   }
   distrpc::shutdown();
@@ -556,9 +578,10 @@ DISTRPC_MP_TEST(
 
 // ---- 11. sparse --------------------------------------------------------------------------------
 
-DISTRPC_MP_TEST("dist autograd: sparse COO tensors: remote add, sparse sum, gradients equal the "
-                "local ones (scenario 11)",
-                2, 60) {
+DISTRPC_MP_TEST(
+    "dist autograd: sparse COO tensors: remote add, sparse sum, gradients equal the "
+    "local ones (scenario 11)",
+    2, 60) {
   init(ctx);
   if (ctx.rank == 0) {
     auto make = [] {
@@ -582,9 +605,10 @@ DISTRPC_MP_TEST("dist autograd: sparse COO tensors: remote add, sparse sum, grad
 
 // ---- §1.13 callbacks; §1.15 profiling ----------------------------------------------------------
 
-DISTRPC_MP_TEST("dist autograd: the context travels into Future callbacks; the profiler sees "
-                "the send, recv and backward events (§1.13, §1.15)",
-                2, 60) {
+DISTRPC_MP_TEST(
+    "dist autograd: the context travels into Future callbacks; the profiler sees "
+    "the send, recv and backward events (§1.13, §1.15)",
+    2, 60) {
   init(ctx);
   if (ctx.rank == 0) {
     da::Context c;
@@ -613,6 +637,174 @@ DISTRPC_MP_TEST("dist autograd: the context travels into Future callbacks; the p
     CHECK(seen["torch::distributed::autograd::backward"] == 1);
     CHECK(seen["torch::distributed::autograd::SendRpcBackward"] >= 1);
     CHECK(seen["torch::distributed::autograd::RecvRpcBackward"] >= 1);
+  }
+  distrpc::shutdown();
+}
+
+// ---- §1.5 the verification rule over the reference tests' op mixes ------------------------------
+
+namespace ag_test {
+std::vector<at::Tensor> three_unused_one(at::Tensor a, at::Tensor b, at::Tensor c) {
+  (void)c;
+  return {a * b, a.sum() * 0};
+}
+at::Tensor zeroed(at::Tensor a) {
+  return a * 0;
+}
+}  // namespace ag_test
+
+namespace {
+// The same computation run locally (fills .grad) and across workers: for each leaf, present in
+// get_gradients exactly when its local .grad is defined, with an equal value and dtype.
+template <class Compute>
+void verify_against_local(const std::vector<at::Tensor>& leaves, Compute&& compute) {
+  std::vector<at::Tensor> local;
+  for (const auto& l : leaves)
+    local.push_back(l.detach().clone().requires_grad_(l.requires_grad()));
+  {
+    auto roots = compute(local, /*remote=*/false);
+    at::Tensor sum = roots[0];
+    for (std::size_t i = 1; i < roots.size(); ++i) sum = sum + roots[i];
+    sum.backward();
+  }
+  da::Context c;
+  auto roots = compute(leaves, /*remote=*/true);
+  da::backward(c.id(), roots);
+  auto grads = da::get_gradients(c.id());
+  std::size_t expected = 0;
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    INFO("leaf " << i);
+    auto it = grads.find(leaves[i]);
+    if (local[i].grad().defined()) {
+      ++expected;
+      REQUIRE(it != grads.end());
+      CHECK((it->value().scalar_type() == local[i].scalar_type()));
+      CHECK(at::allclose(it->value().to_dense(), local[i].grad().to_dense(), 1e-5, 1e-6));
+    } else {
+      CHECK(it == grads.end());
+    }
+    CHECK_FALSE(leaves[i].grad().defined());
+  }
+  CHECK(grads.size() == expected);
+}
+}  // namespace
+
+DISTRPC_MP_TEST(
+    "dist autograd: the verification rule: multiple roots, round trips over 3 workers, different "
+    "dims, unused tensors, multiple outputs, zero gradients, non-grad leaves (§1.5)",
+    3, 90) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto maybe = [](bool remote, const char* w, auto local_fn, auto remote_fn) {
+      return remote ? remote_fn(w) : local_fn();
+    };
+    {
+      INFO("multiple roots");
+      at::Tensor a = torch::rand({3, 3}, torch::requires_grad());
+      at::Tensor b = torch::rand({3, 3}, torch::requires_grad());
+      verify_against_local({a, b}, [&](const std::vector<at::Tensor>& t, bool remote) {
+        auto r = maybe(
+            remote, "worker1", [&] { return t[0] * t[1]; },
+            [&](const char* w) { return distrpc::rpc_sync<&ag_test::mul>(w, t[0], t[1]); });
+        return std::vector<at::Tensor>{r.sum(), (r * 2).sum(), (t[0] + 1).sum()};
+      });
+    }
+    {
+      INFO("round trips over 3 workers");
+      at::Tensor a = torch::rand({3, 3}, torch::requires_grad());
+      at::Tensor b = torch::rand({3, 3}, torch::requires_grad());
+      verify_against_local({a, b}, [&](const std::vector<at::Tensor>& t, bool remote) {
+        at::Tensor x = t[0];
+        for (int i = 0; i < 4; ++i) {
+          const char* w = i % 2 == 0 ? "worker1" : "worker2";
+          x = maybe(
+              remote, w, [&] { return x * t[1]; },
+              [&](const char* d) { return distrpc::rpc_sync<&ag_test::mul>(d, x, t[1]); });
+          x = x + t[0];  // and back here each time
+        }
+        return std::vector<at::Tensor>{x.sum()};
+      });
+    }
+    {
+      INFO("different dims (broadcast), a non-grad leaf, an unused tensor, multiple outputs");
+      at::Tensor a = torch::rand({5, 1}, torch::requires_grad());
+      at::Tensor b = torch::rand({1, 4}, torch::requires_grad());
+      at::Tensor c = torch::rand({2}, torch::requires_grad());
+      at::Tensor n = torch::rand({5, 4});
+      verify_against_local({a, b, c, n}, [&](const std::vector<at::Tensor>& t, bool remote) {
+        std::vector<at::Tensor> outs =
+            remote ? distrpc::rpc_sync<&ag_test::three_unused_one>("worker2", t[0], t[1], t[2])
+                   : ag_test::three_unused_one(t[0], t[1], t[2]);
+        return std::vector<at::Tensor>{(outs[0] * t[3]).sum(), outs[1]};
+      });
+    }
+    {
+      INFO("zero gradients are present");
+      at::Tensor a = torch::rand({3}, torch::requires_grad());
+      verify_against_local({a}, [&](const std::vector<at::Tensor>& t, bool remote) {
+        auto r =
+            remote ? distrpc::rpc_sync<&ag_test::zeroed>("worker1", t[0]) : ag_test::zeroed(t[0]);
+        return std::vector<at::Tensor>{r.sum()};
+      });
+    }
+    {
+      INFO("mixed dtypes");
+      at::Tensor f = torch::rand({3}, torch::requires_grad());
+      at::Tensor d = torch::rand({3}, torch::dtype(torch::kDouble).requires_grad(true));
+      verify_against_local({f, d}, [&](const std::vector<at::Tensor>& t, bool remote) {
+        auto [x, y] = remote ? distrpc::rpc_sync<&ag_test::mixed_dtypes>("worker1", t[0], t[1])
+                             : ag_test::mixed_dtypes(t[0], t[1]);
+        return std::vector<at::Tensor>{x.sum(), y.sum().to(at::kFloat)};
+      });
+    }
+  }
+  distrpc::shutdown();
+}
+
+// ---- §1.9 sparse EmbeddingBag built remotely ---------------------------------------------------
+
+namespace ag_test {
+struct BagIface {
+  virtual ~BagIface() = default;
+  virtual at::Tensor forward(at::Tensor input, at::Tensor offsets) = 0;
+};
+struct SparseBag : torch::nn::Module {
+  SparseBag() {
+    bag = register_module(
+        "bag", torch::nn::EmbeddingBag(
+                   torch::nn::EmbeddingBagOptions(16, 16).mode(torch::kSum).sparse(true)));
+  }
+  at::Tensor forward(at::Tensor input, at::Tensor offsets) { return bag(input, offsets); }
+  torch::nn::EmbeddingBag bag{nullptr};
+};
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: a sparse EmbeddingBag built remotely: two backward passes equal "
+    "two local ones, the sparse gradient on the owner (§1.9)",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto rm =
+        distrpc::nn::RemoteModule<ag_test::BagIface>::create<ag_test::SparseBag>("worker1/cpu");
+    auto params = rm.remote_parameters();
+    REQUIRE(params.size() == 1);
+    ag_test::SparseBag local;
+    {
+      torch::NoGradGuard ng;
+      local.bag->weight.copy_(params[0].to_here());
+    }
+    const at::Tensor input = torch::tensor({1, 2, 4, 5, 4, 3, 2, 9}, torch::kLong);
+    const at::Tensor offsets = torch::tensor({0, 4}, torch::kLong);
+    da::Context c;
+    for (int pass = 0; pass < 2; ++pass) {
+      da::backward(c.id(), {rm.forward(input, offsets).sum()});
+      local.forward(input, offsets).sum().backward();
+    }
+    at::Tensor remote_grad = distrpc::rpc_sync<&ag_test::owner_grad>("worker1", params[0], c.id());
+    REQUIRE(remote_grad.defined());
+    CHECK(remote_grad.is_sparse());
+    CHECK(at::allclose(remote_grad.to_dense(), local.bag->weight.grad().to_dense()));
   }
   distrpc::shutdown();
 }

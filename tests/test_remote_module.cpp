@@ -49,23 +49,6 @@ using distrpc::nn::InterfaceModule;
 using distrpc::nn::RemoteDevice;
 using distrpc::nn::RemoteModule;
 
-namespace {
-
-// The text of what fn throws (empty if it throws nothing).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return {};
-}
-
-}  // namespace
-
 // ---- interfaces and modules (built on the remote worker) ---------------------------------------
 
 namespace rm_test {

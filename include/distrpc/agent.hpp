@@ -309,13 +309,12 @@ class RpcAgent : public AgentServices,
     calls_.stop();
     if (const std::size_t n = on_readers + on_requests + on_callbacks; n > 0) {
       detail::log_warning(
-          self().name, "shutdown abandoned " + std::to_string(n) +
-                          " thread(s) still running user code after " +
-                          std::to_string(grace.count()) + " ms (" + std::to_string(on_requests) +
-                          " request handler(s) on the request pool, " +
-                          std::to_string(on_readers) + " on transport reading threads, " +
-                          std::to_string(on_callbacks) +
-                          " callback(s)); they are detached and this agent stays in memory");
+          self().name,
+          "shutdown abandoned " + std::to_string(n) + " thread(s) still running user code after " +
+              std::to_string(grace.count()) + " ms (" + std::to_string(on_requests) +
+              " request handler(s) on the request pool, " + std::to_string(on_readers) +
+              " on transport reading threads, " + std::to_string(on_callbacks) +
+              " callback(s)); they are detached and this agent stays in memory");
       keep_alive_forever(std::move(owned));
     }
     members_.drop_store();
@@ -338,7 +337,6 @@ class RpcAgent : public AgentServices,
     while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   }
 
-
   // ---- transport callbacks (Agent<T> wires them to its policy) ---------------------------------
   // Transport callback (I/O thread): never runs user code, never blocks on it.
   void on_message(int peer, wire::Message&& m) {
@@ -356,8 +354,8 @@ class RpcAgent : public AgentServices,
         break;
       default:
         detail::log_warning(self().name, "ignoring a message of unexpected type " +
-                                            std::to_string(static_cast<int>(m.type)) +
-                                            " from worker " + std::to_string(peer));
+                                             std::to_string(static_cast<int>(m.type)) +
+                                             " from worker " + std::to_string(peer));
     }
   }
 
@@ -376,7 +374,6 @@ class RpcAgent : public AgentServices,
       callback_pool_.post([x, peer] { x->on_peer_lost(peer); });
     }
   }
-
 
   virtual void transport_send(int peer, wire::Message&& m) = 0;
   virtual std::string transport_address() const = 0;
@@ -526,8 +523,7 @@ class RpcAgent : public AgentServices,
       decode();
       return;
     }
-    extensions_[i]->decode_from(from, sent,
-                                [&] { decode_in_layers(i + 1, from, sent, decode); });
+    extensions_[i]->decode_from(from, sent, [&] { decode_in_layers(i + 1, from, sent, decode); });
   }
   void encode_reply_in_layers(std::size_t i, int peer, const CallAttachments& got,
                               FunctionRef<void()> encode) {
@@ -572,8 +568,8 @@ class RpcAgent : public AgentServices,
     auto taken = calls_.take(m.id, peer);
     if (taken.other_peer) {
       detail::log_warning(self().name, "dropping a reply for call " + std::to_string(m.id) +
-                                          " from worker " + std::to_string(peer) +
-                                          ": the call went to " + taken.other_peer->str());
+                                           " from worker " + std::to_string(peer) +
+                                           ": the call went to " + taken.other_peer->str());
       return;
     }
     if (!taken.call) return;  // timed out or failed already: the late reply is dropped
@@ -720,8 +716,7 @@ class RpcAgent : public AgentServices,
         }
         if (!ran) {
           throw RpcError("no layer on " + self().str() + " runs requests of mode " +
-                         std::to_string(static_cast<int>(h.mode)) + " (function '" + h.name +
-                         "')");
+                         std::to_string(static_cast<int>(h.mode)) + " (function '" + h.name + "')");
         }
         result = std::move(*ran);
       }
@@ -731,9 +726,9 @@ class RpcAgent : public AgentServices,
     // A request of a layer's own mode that never ran: the layer learns of it after the reply (a
     // remote() whose creator sent a fetch along: the creator learns of the failed creation
     // first).
-    std::exception_ptr unrun =
-        h.mode != RequestHeader::kPlainCall && result.has_error() ? result.exception_ptr()
-                                                                  : nullptr;
+    std::exception_ptr unrun = h.mode != RequestHeader::kPlainCall && result.has_error()
+                                   ? result.exception_ptr()
+                                   : nullptr;
     reply_when_done(peer, id, h.name, counted, std::move(result));
     if (unrun) {
       for (const auto& x : extensions_) x->request_not_run(peer, h, unrun);
@@ -771,8 +766,9 @@ class RpcAgent : public AgentServices,
   // Queues a message sent to this worker itself (value semantics kept by the caller).
   bool dispatch_local(wire::Message&& request) {
     if (wire::is_control_message_type(request.type)) {
-      return callback_pool_.post(
-          [this, req = std::move(request)]() mutable { handle_control(self().id, std::move(req)); });
+      return callback_pool_.post([this, req = std::move(request)]() mutable {
+        handle_control(self().id, std::move(req));
+      });
     }
     return request_pool_.post(
         [this, req = std::move(request)]() mutable { handle_request(self().id, std::move(req)); });
@@ -784,9 +780,8 @@ class RpcAgent : public AgentServices,
       wire::Message out;
       if (done.has_error()) {
         WireException w = ExceptionRegistry::instance().encode(done.exception_ptr());
-        detail::log_warning(self().name, "'" + name + "' called by worker " +
-                                             std::to_string(peer) + " raised " + w.type_name +
-                                             ": " + w.message);
+        detail::log_warning(self().name, "'" + name + "' called by worker " + std::to_string(peer) +
+                                             " raised " + w.type_name + ": " + w.message);
         out.type = wire::MessageType::Exception;
         wire::encode(out, w);
       } else {
@@ -827,7 +822,7 @@ class RpcAgent : public AgentServices,
       // stop (a handler abandoned by shutdown returned at last) that is expected: no message.
       if (stopped_.load()) return;
       detail::log_warning(self().name, "could not send a reply to worker " + std::to_string(peer) +
-                                          ": " + e.what());
+                                           ": " + e.what());
     }
   }
 

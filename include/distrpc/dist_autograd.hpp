@@ -37,8 +37,7 @@ inline std::shared_ptr<AutogradLayer> layer() {
   auto agent = distrpc::detail::current_agent();
   auto l = agent->extension<AutogradLayer>();
   if (!l) {
-    throw RpcError("distributed autograd is not plugged into the agent of " +
-                   agent->self().str());
+    throw RpcError("distributed autograd is not plugged into the agent of " + agent->self().str());
   }
   return l;
 }
@@ -100,10 +99,14 @@ inline ContextPtr retrieve_context(std::int64_t id) {
 }
 
 // Whether this worker has context `id`.
-inline bool has_context(std::int64_t id) { return detail::layer()->contexts().find(id) != nullptr; }
+inline bool has_context(std::int64_t id) {
+  return detail::layer()->contexts().find(id) != nullptr;
+}
 
 // The largest context id this worker can make: (worker_id << 48) + 2^48 - 1.
-inline std::int64_t max_context_id() { return detail::layer()->contexts().max_id(); }
+inline std::int64_t max_context_id() {
+  return detail::layer()->contexts().max_id();
+}
 
 // Back-propagates from `roots` (scalars with a gradient function, seeded with ones) through every
 // worker the forward pass of context `context_id` reached; blocks until all of them are done.
@@ -122,6 +125,8 @@ inline c10::Dict<at::Tensor, at::Tensor> get_gradients(std::int64_t context_id) 
 }
 
 // Exactly two counters of this worker: "num_current_backward_passes", "num_autograd_contexts".
-inline std::map<std::string, std::string> get_debug_info() { return detail::layer()->debug_info(); }
+inline std::map<std::string, std::string> get_debug_info() {
+  return detail::layer()->debug_info();
+}
 
 }  // namespace distrpc::dist_autograd

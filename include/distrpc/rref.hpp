@@ -66,8 +66,9 @@ class RRef {
       : RRef(std::make_shared<T>(std::move(value))) {}
   explicit RRef(std::shared_ptr<T> value) {
     if (!value) throw std::invalid_argument("distrpc::RRef<T>: null value");
-    impl_ = detail::rref_context_of(*detail::current_agent())->make_local_owner(
-        std::static_pointer_cast<void>(std::move(value)), detail::value_ops<T>());
+    impl_ = detail::rref_context_of(*detail::current_agent())
+                ->make_local_owner(std::static_pointer_cast<void>(std::move(value)),
+                                   detail::value_ops<T>());
   }
   // A local owner RRef of T(args...), for types that cannot be moved (mutexes inside).
   template <class... A>

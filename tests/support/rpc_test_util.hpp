@@ -7,6 +7,7 @@
 #include <string>
 #include <typeinfo>
 
+#include <c10/util/Exception.h>
 #include <doctest/doctest.h>
 
 #include <distrpc/options.hpp>
@@ -32,6 +33,19 @@ inline void init(const RankContext& ctx, RpcBackendOptions o = {}) {
 // A fresh rendezvous file of this run (for a second init in the same processes).
 inline std::string file_url(const RankContext& ctx, const std::string& tag) {
   return "file://" + ctx.dir + "/rendezvous-" + tag;
+}
+
+// The text of what fn throws (a c10::Error without its backtrace), empty if it throws nothing.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
 }
 
 inline bool contains(const std::string& hay, const std::string& needle) {
@@ -72,6 +86,7 @@ using distrpc::RpcBackendOptions;
 using distrpc::RRef;
 using distrpc::WorkerInfo;
 using distrpc::testing::contains;
+using distrpc::testing::error_of;
 using distrpc::testing::expect_exact;
 using distrpc::testing::file_url;
 using distrpc::testing::init;

@@ -166,16 +166,16 @@ SentCall send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& d
                      const std::string& what) {
   if (!header.internal) header.attachments = agent->attach(dst.id);
   wire::Message m;
-  std::function<void()> undo = agent->encode_for(dst.id, header.attachments,
-                                                 [&] { wire::encode(m, header, packed); });
+  std::function<void()> undo =
+      agent->encode_for(dst.id, header.attachments, [&] { wire::encode(m, header, packed); });
   auto reply = agent->call(dst, std::move(m), timeout, header.internal, what,
                            wire::MessageType::Request, undo);
   return SentCall{std::move(reply), std::move(header.attachments)};
 }
 
 template <auto F, class... A>
-SentCall send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
-                                CallOptions opts, bool internal, A&&... args) {
+SentCall send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst, CallOptions opts,
+                   bool internal, A&&... args) {
   using Id = call_identity<F>;
   Id::register_caller();
   const auto timeout = agent->effective_timeout(opts.timeout);

@@ -87,8 +87,8 @@ class GroupProtocol {
       // The library's own: served by every agent (Registrar's `Library`).
       ensure_library_registered<&GroupProtocol::contribute>();
       auto reply = send_call<&GroupProtocol::contribute>(
-          agent_, agent_->worker(leader), CallOptions{call_limit},
-          /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost)
+                       agent_, agent_->worker(leader), CallOptions{call_limit},
+                       /*internal=*/true, key, seq, names, tolerant, op, me, blob, lost)
                        .reply;
       try {
         wire::decode(reply.value(), out);
@@ -126,8 +126,8 @@ class GroupProtocol {
     std::optional<WorkCounters> previous;
     std::vector<std::string> previous_lost;
     while (true) {
-      auto round = gather(to_blob(agent_->counters()), {}, time_left(), /*tolerant=*/true,
-                          "shutdown");
+      auto round =
+          gather(to_blob(agent_->counters()), {}, time_left(), /*tolerant=*/true, "shutdown");
       WorkCounters total;
       for (auto& [n, b] : round.values) {
         auto c = from_blob<WorkCounters>(std::move(b));
@@ -253,8 +253,8 @@ class GroupProtocol {
                      milliseconds limit) {
     using Clock = std::chrono::steady_clock;
     auto& table = agent_->gathers();
-    auto fut = table.contribute(key, seq, names, tolerant, op, agent_->self().name,
-                                std::move(blob), lost_among(names));
+    auto fut = table.contribute(key, seq, names, tolerant, op, agent_->self().name, std::move(blob),
+                                lost_among(names));
     struct Probe {
       Clock::time_point next;
       milliseconds interval{100};

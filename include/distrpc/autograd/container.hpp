@@ -65,7 +65,8 @@ class ContextContainer {
                                " made all " + std::to_string(kCounterMask + 1) +
                                " context ids it can make");
     }
-    const std::int64_t id = (static_cast<std::int64_t>(worker_id_) << kCounterBits) | next_counter_++;
+    const std::int64_t id =
+        (static_cast<std::int64_t>(worker_id_) << kCounterBits) | next_counter_++;
     auto ctx = std::make_shared<DistAutogradContext>(id);
     contexts_.emplace(id, ctx);
     return ctx;

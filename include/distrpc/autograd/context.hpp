@@ -80,8 +80,9 @@ class DistAutogradContext {
     auto it = grads_.find(leaf.unsafeGetTensorImpl());
     if (it == grads_.end()) {
       const bool keep = grad.is_sparse() || (grad.is_contiguous() && grad.use_count() == 1);
-      grads_.emplace(leaf.unsafeGetTensorImpl(),
-                     Entry{leaf, keep ? std::move(grad) : grad.clone(at::MemoryFormat::Contiguous)});
+      grads_.emplace(
+          leaf.unsafeGetTensorImpl(),
+          Entry{leaf, keep ? std::move(grad) : grad.clone(at::MemoryFormat::Contiguous)});
       return;
     }
     // Out of place: a tensor get_gradients() handed out earlier keeps its value.

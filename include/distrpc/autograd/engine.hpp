@@ -153,14 +153,24 @@ inline void deliver_to_leaf(DistAutogradContext& ctx, torch::autograd::Accumulat
 
 // How a pass hands the gradients of a recv function to its sender: the future completes when the
 // sender's pass (and all it started) completed.
-using SendGradients = std::function<Future<void>(const RecvRpcBackward& recv,
-                                                 variable_list grads, bool retain_graph)>;
+using SendGradients = std::function<Future<void>(const RecvRpcBackward& recv, variable_list grads,
+                                                 bool retain_graph)>;
 
 // Runs one pass on this thread; the returned future completes when the passes it started on other
 // workers have. Errors read "Error on Node <worker>: ...".
-inline Future<void> run_pass(const ContextPtr& ctx, int self_id, const edge_list& roots,
-                             const variable_list& grads, bool retain_graph,
+inline Future<void> run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_roots,
+                             const variable_list& all_grads, bool retain_graph,
                              const SendGradients& send) {
+  // Roots without a gradient (a tensor the receiver did not use) are left out: the engine takes
+  // defined gradients only.
+  edge_list roots;
+  variable_list grads;
+  for (std::size_t i = 0; i < all_roots.size() && i < all_grads.size(); ++i) {
+    if (!all_grads[i].defined()) continue;
+    roots.push_back(all_roots[i]);
+    grads.push_back(all_grads[i]);
+  }
+  if (roots.empty()) return make_ready_future();
   std::vector<Future<void>> started;
   try {
     std::lock_guard<std::mutex> pass(ctx->pass_mutex());

@@ -35,6 +35,7 @@
 #include "distrpc/log.hpp"
 #include "distrpc/options.hpp"
 #include "distrpc/registry.hpp"
+#include "distrpc/transport/transport.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/wire/tensor_observer.hpp"
 
@@ -114,6 +115,12 @@ class AutogradLayer final : public AgentExtension,
 
   explicit AutogradLayer(AgentServices& host) : host_(host) {}
 
+  // The wire type of control kind `k` (e.g. for a fault-injecting transport in tests).
+  static constexpr wire::MessageType message_type(Kind k) {
+    return wire::control_message_type(
+        static_cast<std::uint8_t>(kExtensionId * kKindsPerExtension + static_cast<int>(k)));
+  }
+
   int id() const override { return kExtensionId; }
   std::string control_name(int kind) const override {
     switch (kind) {
@@ -127,9 +134,8 @@ class AutogradLayer final : public AgentExtension,
   }
 
   ContextContainer& contexts() {
-    std::call_once(container_once_, [&] {
-      container_ = std::make_unique<ContextContainer>(host_.host_self().id);
-    });
+    std::call_once(container_once_,
+                   [&] { container_ = std::make_unique<ContextContainer>(host_.host_self().id); });
     return *container_;
   }
 
@@ -190,7 +196,8 @@ class AutogradLayer final : public AgentExtension,
             {"num_autograd_contexts", std::to_string(contexts().size())}};
   }
 
-  // ---- the agent's hooks --------------------------------------------------------------------------
+  // ---- the agent's hooks
+  // --------------------------------------------------------------------------
 
   void attach(int dst, CallAttachments& out) override {
     const std::int64_t id = dist_autograd::detail::tls_context_id;
@@ -445,6 +452,11 @@ class AutogradLayer final : public AgentExtension,
         }
       });
     };
+    // Already on a pool thread: run here (one hand-off less). Never on a transport thread.
+    if (!transport::on_transport_thread()) {
+      task();
+      return out;
+    }
     if (!host_.host_post(std::move(task))) {
       throw std::runtime_error("the agent of worker " + std::to_string(self_id()) +
                                " is stopping: backward pass not run");

@@ -104,7 +104,6 @@ inline std::atomic<bool>& rref_purge_enabled() {
 
 namespace detail {
 
-
 // What a remote() request carries in its header (RequestHeader::mode_data): the RRef the callee
 // creates, and the caller's fork of it (equal to rref_id when the caller is the owner itself).
 struct RemoteFields {
@@ -247,7 +246,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   AgentServices& host() { return host_; }
 
   // ---- the agent's extension points (agent/extension.hpp) -----------------------------------
-  static constexpr int kExtensionId = 0;  // control kinds 0..15: rref_message_type()
+  static constexpr int kExtensionId = 0;          // control kinds 0..15: rref_message_type()
   static constexpr std::uint8_t kRemoteMode = 1;  // RequestHeader::mode of remote()
   int id() const override { return kExtensionId; }
   std::string control_name(int kind) const override {
@@ -255,8 +254,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   }
   Future<wire::Message> handle_control(int peer, int kind, const wire::Message& m) override {
     if (kind < 0 || kind >= kRRefControlKinds) {
-      throw RpcError("unknown RRef control message kind " + std::to_string(kind) +
-                     " from worker " + std::to_string(peer) + " (on " + self().str() + ")");
+      throw RpcError("unknown RRef control message kind " + std::to_string(kind) + " from worker " +
+                     std::to_string(peer) + " (on " + self().str() + ")");
     }
     return handle_control(peer, static_cast<RRefControl>(kind), m);
   }
@@ -312,8 +311,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     if (!scope->undo.empty()) undo.push_back([scope] { scope->rollback(); });
   }
   // RRefs in a reply from `from` were forked by `from`.
-  void decode_from(int from, const CallAttachments& /*sent*/,
-                   FunctionRef<void()> decode) override {
+  void decode_from(int from, const CallAttachments& /*sent*/, FunctionRef<void()> decode) override {
     detail::RRefDecodeScope scope{shared_from_this(), from, {}};
     detail::DecodeScopeGuard guard(detail::tls_rref_decode, &scope);
     decode();
@@ -626,18 +624,18 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
         auto cell = cell_for_query(id, unrun);
         if (unrun) return make_exceptional_future<wire::Message>(unrun);
         auto ctx = shared_from_this();
-        return cell->ready.then([cell, ctx, peer, type_hash,
-                                 got = std::move(got)](const Future<void>& done) {
-          done.wait();
-          check_type(*cell, type_hash);
-          wire::Message out;
-          out.type = wire::MessageType::Response;
-          detail::RRefEncodeScope scope{ctx, peer, {}};
-          detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
-          ctx->host_.host_encode_reply(peer, got,
-                                       [&] { cell->ops->encode(out, cell->value.get()); });
-          return out;
-        });
+        return cell->ready.then(
+            [cell, ctx, peer, type_hash, got = std::move(got)](const Future<void>& done) {
+              done.wait();
+              check_type(*cell, type_hash);
+              wire::Message out;
+              out.type = wire::MessageType::Response;
+              detail::RRefEncodeScope scope{ctx, peer, {}};
+              detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
+              ctx->host_.host_encode_reply(peer, got,
+                                           [&] { cell->ops->encode(out, cell->value.get()); });
+              return out;
+            });
       }
       case RRefControl::TypeQuery: {
         RRefId id;
@@ -1173,8 +1171,7 @@ detail::RRefImpl::~RRefImpl() {
 
 // The RRef layer plugs into every agent (agent/extension.hpp).
 inline const bool rref_layer_registered = register_agent_extension(
-    RRefContext::kExtensionId,
-    [](AgentServices& host) -> std::shared_ptr<AgentExtension> {
+    RRefContext::kExtensionId, [](AgentServices& host) -> std::shared_ptr<AgentExtension> {
       return std::make_shared<RRefContext>(host);
     });
 
