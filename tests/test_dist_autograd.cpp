@@ -367,7 +367,8 @@ DISTRPC_MP_TEST(
 
 DISTRPC_MP_TEST(
     "dist autograd: nested calls over 3 workers give the local gradients; leaving the scope "
-    "releases the context on every worker, transitively, within 10 s (scenario 13)",
+    "releases the context on every worker, transitively, within 10 s (scenario 13), on every "
+    "transport",
     3, 90) {
   init(ctx);
   if (ctx.rank == 0) {
@@ -446,7 +447,7 @@ struct LinearIface {
 
 DISTRPC_MP_TEST(
     "dist autograd: RemoteModule forward; gradients of the module's parameters land on the owner "
-    "in the same context",
+    "in the same context, on every transport",
     2, 60) {
   init(ctx);
   if (ctx.rank == 0) {

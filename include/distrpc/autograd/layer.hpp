@@ -112,6 +112,8 @@ class AutogradLayer final : public AgentExtension,
   // transient link failure), waiting kCleanupBackoff, doubled each time, in between.
   static constexpr int kCleanupAttempts = 6;
   static constexpr std::chrono::milliseconds kCleanupBackoff{100};
+  // Releases wait at most this long to go out together (send_cleanup).
+  static constexpr std::chrono::milliseconds kCleanupBatchDelay{5};
 
   explicit AutogradLayer(AgentServices& host) : host_(host) {}
 
@@ -173,6 +175,9 @@ class AutogradLayer final : public AgentExtension,
       done = run_pass(ctx, edges, grads, retain_graph);
     }
     try {
+      // Waiting, this thread reads the transport itself (as a blocking rpc_sync does): the last
+      // reply then wakes no other thread.
+      distrpc::detail::set_wait_driver(done, host_.host_wait_driver());
       done.wait();
       done.value();
     } catch (...) {
@@ -278,10 +283,12 @@ class AutogradLayer final : public AgentExtension,
       case kGradients:
         return receive_gradients(m);
       case kCleanup: {
-        std::int64_t id = -1;
-        wire::decode(m, id);
+        std::vector<std::int64_t> ids;
+        wire::decode(m, ids);
         // Idempotent: a context already released (a cycle of known workers) is not an error.
-        if (auto ctx = contexts().erase(id)) send_cleanup(id, ctx->known_worker_ids(), peer);
+        for (auto id : ids) {
+          if (auto ctx = contexts().erase(id)) send_cleanup(id, ctx->known_worker_ids(), peer);
+        }
         return make_ready_future(distrpc::detail::empty_response());
       }
       default:
@@ -290,6 +297,8 @@ class AutogradLayer final : public AgentExtension,
     }
   }
 
+  // Graceful shutdown: the releases still waiting for their batch go out now.
+  void before_exit(std::chrono::milliseconds /*limit*/) override { flush_cleanup(); }
   void on_stop() override { stopping_.store(true); }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
@@ -464,40 +473,71 @@ class AutogradLayer final : public AgentExtension,
     return out;
   }
 
+  // Releases go out in batches, one message per worker every kCleanupBatchDelay at most: a
+  // training loop releases a context per step, and one message per context and worker would cost
+  // each step a send and a reply on both sides.
   void send_cleanup(std::int64_t id, const std::set<int>& workers, int except) {
-    for (int w : workers) {
-      if (w == except) continue;
-      send_cleanup_to(w, id, 1, kCleanupBackoff);
+    bool schedule = false;
+    {
+      std::lock_guard<std::mutex> lk(cleanup_mu_);
+      for (int w : workers) {
+        if (w != except) pending_cleanup_[w].push_back(id);
+      }
+      if (!pending_cleanup_.empty() && !flush_scheduled_) {
+        flush_scheduled_ = true;
+        schedule = true;
+      }
+    }
+    if (!schedule) return;
+    std::weak_ptr<AutogradLayer> weak = weak_from_this();
+    if (!host_.host_after(kCleanupBatchDelay, [weak] {
+          if (auto s = weak.lock()) s->flush_cleanup();
+        })) {
+      std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
+      pending_cleanup_.clear();
+      flush_scheduled_ = false;
     }
   }
 
-  void send_cleanup_to(int worker, std::int64_t id, int attempt, std::chrono::milliseconds wait) {
+  void flush_cleanup() {
+    std::map<int, std::vector<std::int64_t>> batch;
+    {
+      std::lock_guard<std::mutex> lk(cleanup_mu_);
+      batch.swap(pending_cleanup_);
+      flush_scheduled_ = false;
+    }
+    for (auto& [worker, ids] : batch) send_cleanup_to(worker, std::move(ids), 1, kCleanupBackoff);
+  }
+
+  void send_cleanup_to(int worker, std::vector<std::int64_t> ids, int attempt,
+                       std::chrono::milliseconds wait) {
     if (stopping_.load()) return;
     wire::Message m;
-    wire::encode(m, id);
+    wire::encode(m, ids);
+    const std::string what = "release of " + std::to_string(ids.size()) + " autograd context(s)";
     Future<wire::Message> reply;
     try {
       reply = host_.host_control_call(worker, control_type(kCleanup), std::move(m),
-                                      host_.host_timeout(kUnsetRpcTimeout),
-                                      "cleanup of autograd context " + std::to_string(id));
+                                      host_.host_timeout(kUnsetRpcTimeout), what);
     } catch (...) {
       reply = make_exceptional_future<wire::Message>(std::current_exception());
     }
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
-    reply.add_done_callback([weak, worker, id, attempt, wait](const Future<wire::Message>& r) {
+    reply.add_done_callback([weak, worker, ids = std::move(ids), attempt,
+                             wait](const Future<wire::Message>& r) mutable {
       if (!r.has_error()) return;
       auto self = weak.lock();
       if (!self || self->stopping_.load()) return;
       if (attempt >= kCleanupAttempts) {
         distrpc::detail::log_warning(
             self->host_.host_self().name,
-            "could not release autograd context " + std::to_string(id) + " on worker " +
+            "could not release " + std::to_string(ids.size()) + " autograd context(s) on worker " +
                 std::to_string(worker) + " after " + std::to_string(attempt) +
                 " attempts: " + dist_autograd::detail::message_of(r.exception_ptr()));
         return;
       }
-      self->host_.host_after(wait, [weak, worker, id, attempt, wait] {
-        if (auto s = weak.lock()) s->send_cleanup_to(worker, id, attempt + 1, wait * 2);
+      self->host_.host_after(wait, [weak, worker, ids = std::move(ids), attempt, wait]() mutable {
+        if (auto s = weak.lock()) s->send_cleanup_to(worker, std::move(ids), attempt + 1, wait * 2);
       });
     });
   }
@@ -508,6 +548,9 @@ class AutogradLayer final : public AgentExtension,
   std::atomic<std::int64_t> next_message_{0};
   std::atomic<int> passes_{0};
   std::atomic<bool> stopping_{false};
+  std::mutex cleanup_mu_;
+  std::map<int, std::vector<std::int64_t>> pending_cleanup_;
+  bool flush_scheduled_ = false;
 };
 
 // Distributed autograd plugs into every agent made after this header is included.
