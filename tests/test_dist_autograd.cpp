@@ -809,3 +809,83 @@ DISTRPC_MP_TEST(
   }
   distrpc::shutdown();
 }
+
+// ---- async (Future-returning) handlers; retain_graph through a 2-hop chain; 4-hop node failure --
+
+namespace ag_test {
+distrpc::Future<at::Tensor> async_add(std::string next, at::Tensor a, at::Tensor b) {
+  // The continuation runs on another thread, in the caller's context: its result is recorded.
+  return distrpc::rpc_async<&add>(next, a, b).then([](distrpc::Future<at::Tensor>& f) {
+    return f.value() * 2;
+  });
+}
+at::Tensor chain(std::vector<std::string> hops, at::Tensor a) {
+  if (hops.empty()) return a.exp();
+  const std::string next = hops.front();
+  hops.erase(hops.begin());
+  return distrpc::rpc_sync<&chain>(next, hops, a * 1);
+}
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: a Future-returning handler records its later result; retain_graph then "
+    "without through a 2-hop chain equals local passes, a third pass fails",
+    3, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    {
+      da::Context c;
+      at::Tensor a = torch::ones({2}, torch::requires_grad());
+      at::Tensor b = torch::ones({2}, torch::requires_grad());
+      auto r = distrpc::rpc_sync<&ag_test::async_add>("worker1", std::string("worker2"), a, b);
+      REQUIRE(r.grad_fn());
+      da::backward(c.id(), {r.sum()});
+      CHECK(same(grad_of(c.id(), a), at::full({2}, 2.0)));
+      CHECK(same(grad_of(c.id(), b), at::full({2}, 2.0)));
+    }
+    {
+      da::Context c;
+      at::Tensor a = torch::rand({3}, torch::requires_grad());
+      auto r =
+          distrpc::rpc_sync<&ag_test::chain>("worker1", std::vector<std::string>{"worker2"}, a);
+      da::backward(c.id(), {r.sum()}, /*retain_graph=*/true);
+      da::backward(c.id(), {r.sum()}, /*retain_graph=*/false);
+      CHECK(at::allclose(grad_of(c.id(), a), a.detach().exp() * 2));
+      const std::string e = error_of([&] { da::backward(c.id(), {r.sum()}); });
+      CHECK(contains(e, "Error on Node "));
+      CHECK(contains(e, "Trying to backward through the graph a second time"));
+    }
+  }
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: a 4-hop chain where worker2 dies before backward: backward fails "
+    "within the RPC timeout, no hang, no crash (scenario 14)",
+    4, 60) {
+  RpcBackendOptions o;
+  o.rpc_timeout = std::chrono::seconds(5);
+  init(ctx, o);
+  if (ctx.rank == 0) {
+    da::Context c;
+    at::Tensor a = torch::rand({3}, torch::requires_grad());
+    auto r = distrpc::rpc_sync<&ag_test::chain>("worker1",
+                                                std::vector<std::string>{"worker2", "worker3"}, a);
+    ctx.publish("forward-done", "1");
+    ctx.lookup("worker2-gone", std::chrono::seconds(20));
+    std::this_thread::sleep_for(300ms);
+    const auto t0 = Clock::now();
+    const std::string e = error_of([&] { da::backward(c.id(), {r.sum()}); });
+    CHECK(ms_since(t0) < 5500);
+    CHECK(contains(e, "Error on Node "));
+    CHECK_MESSAGE(contains(e, "worker2"), e);
+    ctx.publish("backward-done", "1");
+  } else if (ctx.rank == 2) {
+    ctx.lookup("forward-done", std::chrono::seconds(20));
+    ctx.publish("worker2-gone", "1");
+    _exit(0);
+  } else {
+    ctx.lookup("backward-done", std::chrono::seconds(30));
+  }
+  distrpc::shutdown(false);
+}
