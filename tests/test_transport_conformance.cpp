@@ -1,5 +1,6 @@
 // The transport conformance suite: every behaviour the transport contract (transport.hpp) asks of
-// a policy, written once and run for Tcp, Shm and Auto<Shm, Tcp>. Delivery (values, exact bytes,
+// a policy, written once and run for Tcp, Shm, Auto<Shm, Tcp> and Faulty<Tcp> (no faults: the
+// decorator must change nothing). Delivery (values, exact bytes,
 // order, concurrency, a 64 MiB buffer), the add_peer() rule, refused identities and tokens, peer
 // loss (a destroyed context, a SIGKILLed process), limits on both ends, shutdown under load, the
 // leader/follower hand-back and drive(). What only one policy has (raw-socket hostility, ring and
@@ -29,6 +30,7 @@
 #include <doctest/doctest.h>
 
 #include "distrpc/transport/auto.hpp"
+#include "distrpc/transport/faulty.hpp"
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -42,6 +44,7 @@ using namespace distrpc::testing::transport_names;
 using distrpc::transport::Shm;
 using distrpc::transport::Tcp;
 using AutoShmTcp = distrpc::transport::Auto<Shm, Tcp>;
+using FaultyTcp = distrpc::transport::Faulty<Tcp>;
 
 // What differs between the policies where the contract leaves a choice.
 template <class P>
@@ -75,6 +78,9 @@ struct Traits<AutoShmTcp> {
          {"tcp", ad::effective_domain_key<Tcp>(3), Traits<Tcp>::ghost_address()}});
   }
 };
+
+template <>
+struct Traits<FaultyTcp> : Traits<Tcp> {};
 
 // The good peer still works both ways, a tensor included: one bad connection did not take the
 // context down.
@@ -351,7 +357,8 @@ void nothing_listens_scenario() {
   const auto took = Clock::now() - t0;
   CHECK(contains(text, "worker 3 ('ghost')"));
   CHECK(contains(text, "600 ms"));
-  if constexpr (std::is_same_v<P, Tcp>) CHECK(contains(text, ghost));
+  if constexpr (std::is_same_v<P, Tcp> || std::is_same_v<P, FaultyTcp>)
+    CHECK(contains(text, ghost));
   CHECK(took >= 500ms);  // it retried until the deadline...
   CHECK(took < 1600ms);  // ...and not much longer
   // A second sender gives up within the timeout again instead of waiting forever.
@@ -680,6 +687,9 @@ void blocked_stream_scenario() {
   }                                                          \
   TEST_CASE("transport conformance Auto<Shm, Tcp>: " what) { \
     scenario<AutoShmTcp>();                                  \
+  }                                                          \
+  TEST_CASE("transport conformance Faulty<Tcp>: " what) {    \
+    scenario<FaultyTcp>();                                   \
   }
 
 // One multi-process test per policy, each rank running body<Policy>(ctx).
@@ -695,6 +705,10 @@ void blocked_stream_scenario() {
   DISTRPC_MP_TEST_IMPL("transport conformance Auto<Shm, Tcp>: " what, world, limit, \
                        DISTRPC_MP_CAT(conformance_auto_, __LINE__)) {               \
     body<AutoShmTcp>(ctx);                                                          \
+  }                                                                                 \
+  DISTRPC_MP_TEST_IMPL("transport conformance Faulty<Tcp>: " what, world, limit,    \
+                       DISTRPC_MP_CAT(conformance_faulty_, __LINE__)) {             \
+    body<FaultyTcp>(ctx);                                                           \
   }
 
 // A rank body started only by run_ranks() (DISTRPC_MP_TARGET), and the case that runs it.
@@ -733,6 +747,8 @@ DISTRPC_CONFORMANCE_TARGET("Tcp", Tcp, "a SIGKILLed peer process is reported los
 DISTRPC_CONFORMANCE_TARGET("Shm", Shm, "a SIGKILLed peer process is reported lost within 2 s",
                            sigkilled_target)
 DISTRPC_CONFORMANCE_TARGET("Auto<Shm, Tcp>", AutoShmTcp,
+                           "a SIGKILLed peer process is reported lost within 2 s", sigkilled_target)
+DISTRPC_CONFORMANCE_TARGET("Faulty<Tcp>", FaultyTcp,
                            "a SIGKILLed peer process is reported lost within 2 s", sigkilled_target)
 
 DISTRPC_CONFORMANCE("an oversized message is refused before anything is written",
