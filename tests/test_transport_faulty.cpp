@@ -112,11 +112,11 @@ TEST_CASE("faulty: the first 3 sends of a chosen kind fail, the 4th goes; other 
   REQUIRE(p.b.inbox.wait_messages(5));
   std::this_thread::sleep_for(50ms);  // nothing else arrives
   REQUIRE(p.b.inbox.message_count() == 5);
-  std::vector<std::uint64_t> ids;
-  for (std::size_t i = 0; i < 5; ++i) ids.push_back(p.b.inbox.take(i).id);
-  CHECK(ids == std::vector<std::uint64_t>{101, 102, 103, 4, 7});
   {
     std::lock_guard<std::mutex> lk(p.b.inbox.mu);
+    std::vector<std::uint64_t> ids;
+    for (const auto& [from, m] : p.b.inbox.messages) ids.push_back(m.id);
+    CHECK(ids == std::vector<std::uint64_t>{101, 102, 103, 4, 7});
     CHECK(p.b.inbox.messages[3].second.payload == "goes");
     CHECK(same_bytes(p.b.inbox.messages[3].second.buffers.at(0), pattern_bytes(64, 2)));
   }
