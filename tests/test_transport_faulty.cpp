@@ -55,6 +55,14 @@ struct FailHandshake {
   }
 };
 
+// Faults per worker: only worker 0 fails its requests.
+struct Worker0FailsRequests {
+  static FaultyOptions options(const distrpc::transport::TransportOptions& t) {
+    if (t.self_id != 0) return {};
+    return {.fail_sends = {.kinds = {MessageType::Request}, .count = 1}};
+  }
+};
+
 // The text of what fn() threw, checking the exception's exact type.
 template <class E, class Fn>
 std::string thrown_exactly(Fn&& fn) {
@@ -187,4 +195,18 @@ TEST_CASE("faulty: malformed options are refused at construction, naming the fie
         "distrpc faulty(tcp): bad FaultyOptions: fail_sends.kinds lists Handshake (value 1), "
         "which is never sent through a transport's send(): use Request, Response, "
         "Exception or a control kind (wire::control_message_type(n))");
+}
+
+TEST_CASE("faulty: faults chosen per worker from its TransportOptions") {
+  NodeOf<Faulty<Tcp, Worker0FailsRequests>> a(0), b(1);
+  introduce(a, 0, b, 1);
+  CHECK(a.ctx->faults().fail_sends.count == 1);
+  CHECK(b.ctx->faults().fail_sends.kinds.empty());
+  CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 1, "x")), DistNetworkError);
+  b.ctx->send(0, make_message(MessageType::Request, 2, "from 1"));  // worker 1 has no faults
+  a.ctx->send(1, make_message(MessageType::Request, 3, "second"));
+  REQUIRE(a.inbox.wait_messages(1));
+  REQUIRE(b.inbox.wait_messages(1));
+  CHECK(a.inbox.take(0).id == 2);
+  CHECK(b.inbox.take(0).id == 3);
 }

@@ -3,7 +3,8 @@
 // PyTorch runs its RRef and distributed-autograd suites on such a "faulty agent"; this is the
 // same, as a policy: `init_rpc<Faulty<Tcp, MyFaults>>(...)`.
 //
-// Faults (FaultyOptions, from `Faults::options()`, read once per Context):
+// Faults (FaultyOptions, from `Faults::options()` or `Faults::options(transport_options)`, read
+// once per Context):
 //  - fail_sends: the first `count` sends of each listed message kind fail: send() throws the
 //    DistNetworkError a wrapped transport throws when it cannot reach a peer, and nothing is
 //    written. Counted per Context (per worker), per kind, over all destinations, as PyTorch's
@@ -67,11 +68,15 @@ struct NoFaults {
   static FaultyOptions options() { return {}; }
 };
 
-// What Faulty's second argument provides.
+// What Faulty's second argument provides: the same faults for every worker, or faults chosen per
+// worker from its TransportOptions (self_id, self_name), e.g. only worker 0's requests late.
 template <class F>
-concept FaultSource = requires {
-  { F::options() } -> std::convertible_to<FaultyOptions>;
-};
+concept FaultSource =
+    requires {
+      { F::options() } -> std::convertible_to<FaultyOptions>;
+    } || requires(const TransportOptions& t) {
+      { F::options(t) } -> std::convertible_to<FaultyOptions>;
+    };
 
 // What a Context injected so far, per kind.
 struct FaultyStats {
@@ -136,7 +141,8 @@ template <class T, class Faults = NoFaults>
 struct Faulty {
   static_assert(check_transport<T>(), "Faulty<T>: T must be a transport policy (see above)");
   static_assert(FaultSource<Faults>,
-                "Faulty<T, Faults>: Faults must provide `static FaultyOptions options();`");
+                "Faulty<T, Faults>: Faults must provide `static FaultyOptions options();` or "
+                "`static FaultyOptions options(const TransportOptions&);`");
 
   static constexpr std::string_view name = detail::FaultyName<T>::value;
   static bool viable() { return T::viable(); }
@@ -148,7 +154,7 @@ struct Faulty {
     // (naming the field), and whatever T's Context throws.
     Context(const TransportOptions& options, TransportCallbacks callbacks)
         : self_(options.self_id),
-          faults_(checked_options()),
+          faults_(checked_options(options)),
           delaying_(!faults_.delay.kinds.empty() && faults_.delay.by.count() > 0) {
       inner_ = std::make_unique<typename T::Context>(options, std::move(callbacks));
       if (delaying_) {
@@ -252,8 +258,13 @@ struct Faulty {
       wire::Message message;
     };
 
-    static FaultyOptions checked_options() {
-      FaultyOptions o = Faults::options();
+    static FaultyOptions checked_options(const TransportOptions& t) {
+      FaultyOptions o;
+      if constexpr (requires { Faults::options(t); }) {
+        o = Faults::options(t);
+      } else {
+        o = Faults::options();
+      }
       detail::validate(o, name);
       return o;
     }
