@@ -1,10 +1,13 @@
 // The transport conformance suite: every behaviour the transport contract (transport.hpp) asks of
-// a policy, written once and run for Tcp, Shm and Auto<Shm, Tcp>. Delivery (values, exact bytes,
-// order, concurrency, a 64 MiB buffer), the add_peer() rule, refused identities and tokens, peer
-// loss (a destroyed context, a SIGKILLed process), limits on both ends, shutdown under load, the
-// leader/follower hand-back and drive(). What only one policy has (raw-socket hostility, ring and
-// segment details, Auto's choice of candidate) stays in test_transport_tcp.cpp and
-// test_transport_shm.cpp.
+// a policy, written once and run for Tcp, Shm, Auto<Shm, Tcp> and Faulty<Tcp> (no faults: the
+// decorator must change nothing; it runs the in-process cases only, which take a few seconds: the
+// two multi-process ones, echo between processes and a SIGKILLed peer, exercise only the reading
+// threads and the loss detection of the policy it wraps, which it forwards untouched, and would
+// add about 16 s). Delivery (values, exact bytes, order, concurrency, a 64 MiB buffer), the
+// add_peer() rule, refused identities and tokens, peer loss (a destroyed context, a SIGKILLed
+// process), limits on both ends, shutdown under load, the leader/follower hand-back and drive().
+// What only one policy has (raw-socket hostility, ring and segment details, Auto's choice of
+// candidate) stays in test_transport_tcp.cpp and test_transport_shm.cpp.
 //
 // Test names: "transport conformance <Policy>: <behaviour>". Multi-process cases re-execute this
 // binary once per rank (tests/harness/multiprocess.hpp).
@@ -29,6 +32,7 @@
 #include <doctest/doctest.h>
 
 #include "distrpc/transport/auto.hpp"
+#include "distrpc/transport/faulty.hpp"
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -42,6 +46,7 @@ using namespace distrpc::testing::transport_names;
 using distrpc::transport::Shm;
 using distrpc::transport::Tcp;
 using AutoShmTcp = distrpc::transport::Auto<Shm, Tcp>;
+using FaultyTcp = distrpc::transport::Faulty<Tcp>;
 
 // What differs between the policies where the contract leaves a choice.
 template <class P>
@@ -75,6 +80,9 @@ struct Traits<AutoShmTcp> {
          {"tcp", ad::effective_domain_key<Tcp>(3), Traits<Tcp>::ghost_address()}});
   }
 };
+
+template <>
+struct Traits<FaultyTcp> : Traits<Tcp> {};
 
 // The good peer still works both ways, a tensor included: one bad connection did not take the
 // context down.
@@ -351,7 +359,8 @@ void nothing_listens_scenario() {
   const auto took = Clock::now() - t0;
   CHECK(contains(text, "worker 3 ('ghost')"));
   CHECK(contains(text, "600 ms"));
-  if constexpr (std::is_same_v<P, Tcp>) CHECK(contains(text, ghost));
+  if constexpr (std::is_same_v<P, Tcp> || std::is_same_v<P, FaultyTcp>)
+    CHECK(contains(text, ghost));
   CHECK(took >= 500ms);  // it retried until the deadline...
   CHECK(took < 1600ms);  // ...and not much longer
   // A second sender gives up within the timeout again instead of waiting forever.
@@ -680,6 +689,9 @@ void blocked_stream_scenario() {
   }                                                          \
   TEST_CASE("transport conformance Auto<Shm, Tcp>: " what) { \
     scenario<AutoShmTcp>();                                  \
+  }                                                          \
+  TEST_CASE("transport conformance Faulty<Tcp>: " what) {    \
+    scenario<FaultyTcp>();                                   \
   }
 
 // One multi-process test per policy, each rank running body<Policy>(ctx).

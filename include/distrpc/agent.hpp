@@ -415,6 +415,37 @@ class RpcAgent : public AgentServices,
     }
     return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
   }
+  Future<wire::Message> host_control_call_retrying(int to, wire::MessageType kind,
+                                                   wire::Message&& m, milliseconds timeout,
+                                                   const std::string& what, int attempts,
+                                                   milliseconds first_backoff) override {
+    auto r = std::make_shared<ControlRetry>();
+    try {
+      r->to = worker(to);
+      if (attempts < 1) {
+        throw std::invalid_argument("host_control_call_retrying(" + what + " to " + r->to.str() +
+                                    "): attempts must be >= 1, got " + std::to_string(attempts));
+      }
+      if (first_backoff.count() < 0) {
+        throw std::invalid_argument("host_control_call_retrying(" + what + " to " + r->to.str() +
+                                    "): first_backoff must be >= 0 ms, got " +
+                                    std::to_string(first_backoff.count()) + " ms");
+      }
+    } catch (...) {
+      return make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    r->kind = kind;
+    r->message = std::move(m);
+    r->timeout = timeout;
+    r->what = what;
+    r->attempts = attempts;
+    r->backoff = first_backoff;
+    // One protocol step from here to the end, backoffs included: between two attempts no call is
+    // in the table, and the join must not take that gap for idleness.
+    host_protocol_begin(1);
+    control_attempt(r);
+    return r->result;
+  }
   bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
   void host_protocol_begin(std::uint64_t steps) override { calls_.protocol_begin(steps); }
   void host_protocol_end(std::uint64_t steps) override { calls_.protocol_end(steps); }
@@ -533,6 +564,102 @@ class RpcAgent : public AgentServices,
     }
     extensions_[i]->encode_reply(peer, got,
                                  [&] { encode_reply_in_layers(i + 1, peer, got, encode); });
+  }
+
+  // One host_control_call_retrying, shared by its attempts and the timers between them.
+  struct ControlRetry {
+    WorkerInfo to;
+    wire::MessageType kind = wire::MessageType::Request;
+    wire::Message message;  // kept for the next attempt; each sends a copy (tensors shared)
+    milliseconds timeout{0};
+    std::string what;
+    int attempts = 1;
+    int sent = 0;
+    milliseconds backoff{0};  // before the next attempt
+    Future<wire::Message> result;
+  };
+
+  // Sends one attempt of `r`; on a send failure that may pass, schedules the next one.
+  void control_attempt(const std::shared_ptr<ControlRetry>& r) {
+    ++r->sent;
+    auto unsent = std::make_shared<bool>(false);
+    wire::Message copy = r->message;  // the payload is copied, the tensors' storage is shared
+    auto fut = call(r->to, std::move(copy), r->timeout, /*internal=*/false, r->what, r->kind,
+                    [unsent] { *unsent = true; });
+    fut.add_done_callback([this, r, unsent](const Future<wire::Message>& f) {
+      if (!f.has_error()) {
+        r->result.try_set_value(f.value());
+        host_protocol_end(1);
+        return;
+      }
+      control_failed(r, f.exception_ptr(), *unsent);
+    });
+  }
+
+  void control_failed(const std::shared_ptr<ControlRetry>& r, std::exception_ptr e, bool unsent) {
+    const auto finish = [&](std::exception_ptr error) {
+      r->result.try_set_exception(std::move(error));
+      host_protocol_end(1);
+    };
+    // Only a message that surely never left is sent again: after it left, the receiver may have
+    // acted on it (the RRef protocol's handlers are not idempotent: a second delete of one fork
+    // would be taken for an early one). A refusal that is not a network failure (too large, an
+    // agent shut down) would be refused again.
+    bool network = false;
+    std::string text;
+    try {
+      std::rethrow_exception(e);
+    } catch (const DistNetworkError& ex) {
+      network = true;
+      text = ex.what();
+    } catch (...) {
+    }
+    if (!unsent || !network) {
+      finish(std::move(e));
+      return;
+    }
+    const auto give_up = [&](const std::string& why) {
+      finish(std::make_exception_ptr(DistNetworkError(
+          r->what + " to " + r->to.str() + " failed after " + std::to_string(r->sent) +
+          " attempt(s), " + why + "; last error: " + text)));
+    };
+    if (stopped_.load()) {
+      return give_up("not retried: the RPC agent of " + self().str() + " is shutting down");
+    }
+    if (is_lost(r->to.id)) return give_up("not retried: the worker is lost");
+    if (r->sent >= r->attempts) return give_up("the most allowed");
+    const milliseconds wait = r->backoff;
+    r->backoff = r->backoff.count() > 0 ? r->backoff * 2 : r->backoff;
+    // The task fails the call if it is dropped unrun (the agent stopped meanwhile).
+    struct Next {
+      Next(RpcAgent* a, std::shared_ptr<ControlRetry> retry) : agent(a), r(std::move(retry)) {}
+      Next(const Next&) = delete;
+      Next& operator=(const Next&) = delete;
+      RpcAgent* agent;
+      std::shared_ptr<ControlRetry> r;
+      bool ran = false;
+      ~Next() {
+        if (ran || r->result.done()) return;
+        r->result.try_set_exception(std::make_exception_ptr(DistNetworkError(
+            r->what + " to " + r->to.str() + " failed after " + std::to_string(r->sent) +
+            " attempt(s), not retried: the RPC agent of " + agent->self().str() +
+            " is shutting down")));
+        agent->host_protocol_end(1);
+      }
+    };
+    auto next = std::make_shared<Next>(this, r);
+    const bool queued = host_after(wait, [next] {
+      next->ran = true;
+      if (next->agent->stopped_.load()) {
+        next->ran = false;  // the destructor fails it
+        return;
+      }
+      next->agent->control_attempt(next->r);
+    });
+    if (!queued) {
+      next->ran = true;
+      give_up("not retried: the RPC agent of " + self().str() + " is shutting down");
+    }
   }
 
   // Fails every call still waiting for a reply (local stop).

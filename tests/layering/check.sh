@@ -16,7 +16,9 @@ layer_of() {
     distrpc/net/* | distrpc/launch.hpp) echo 1 ;;                             # net (OS helpers)
     distrpc/wire.hpp | distrpc/wire/*) echo 2 ;;                              # wire
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store
-    distrpc/transport/*) echo 4 ;;                                            # transport
+    # transport: the concept, Auto, and each policy's headers under transports/<name>/include
+    # (tcp.hpp, shm.hpp and shm/*, faulty.hpp)
+    distrpc/transport/* | distrpc/transport/faulty.hpp) echo 4 ;;             # transport
     distrpc/agent.hpp | distrpc/agent/* | distrpc/registry.hpp | distrpc/rpc.hpp | \
       distrpc/backends.hpp | distrpc/declare.hpp | distrpc/rpc_store.hpp) echo 5 ;;                                         # agent
     # Process groups (distrpc::dist) stand beside the agent, on the store and transport layers.

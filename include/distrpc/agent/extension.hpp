@@ -35,6 +35,17 @@ class AgentServices {
   virtual Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
                                                   std::chrono::milliseconds timeout,
                                                   const std::string& what) = 0;
+  // host_control_call for a fire-and-forget protocol message that must not be lost to a passing
+  // send failure: when the transport refused to send (a DistNetworkError, nothing left), a copy of
+  // `m` (tensors shared) is sent again after `first_backoff`, then after twice that, and so on, up
+  // to `attempts` sends in all. Never retried: a worker known lost, an agent stopping (the call
+  // fails at once, naming the worker and `what`), and any error after the message left (a
+  // timeout, a remote exception, peer loss): the receiver may have acted on it already. Counted in
+  // the graceful-shutdown join, backoffs included, like host_control_call. Bad arguments
+  // (attempts < 1, a negative backoff) fail the future with std::invalid_argument.
+  virtual Future<wire::Message> host_control_call_retrying(
+      int to, wire::MessageType kind, wire::Message&& m, std::chrono::milliseconds timeout,
+      const std::string& what, int attempts, std::chrono::milliseconds first_backoff) = 0;
   // Queues library work on the callback pool; false once the agent stopped.
   virtual bool host_post(std::function<void()> fn) = 0;
   // `steps` protocol steps are under way locally (between two counted messages): the join waits.

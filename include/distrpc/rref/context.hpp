@@ -248,6 +248,11 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // ---- the agent's extension points (agent/extension.hpp) -----------------------------------
   static constexpr int kExtensionId = 0;          // control kinds 0..15: rref_message_type()
   static constexpr std::uint8_t kRemoteMode = 1;  // RequestHeader::mode of remote()
+  // Sends of a fork request, child accept or user delete whose send failed (send()): 6 in all,
+  // 50 ms before the first retry and twice as long before each next (1.55 s of backoff at most),
+  // as PyTorch retries its RRef control messages 5 times.
+  static constexpr int kControlAttempts = 6;
+  static constexpr std::chrono::milliseconds kControlFirstBackoff{50};
   int id() const override { return kExtensionId; }
   std::string control_name(int kind) const override {
     return rref_control_name(static_cast<RRefControl>(kind));
@@ -1074,7 +1079,11 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   }
 
   // Sends a protocol request from the callback pool (the caller may be a transport I/O thread).
-  // From the moment it is queued until it is answered, it counts as outstanding work.
+  // From the moment it is queued until it is answered, it counts as outstanding work. These are
+  // the fire-and-forget messages (fork request, child accept, user delete): no user waits on them
+  // to see an error, and one lost would leak a value or block a confirmation, so a send that
+  // fails before the message left is retried with backoff (host_control_call_retrying); Fetch and
+  // TypeQuery are not sent here, their failure goes to the user's call.
   void send(int to, RRefControl kind, wire::Message&& m,
             std::function<void(const Future<wire::Message>&)> on_done) {
     bool closed = false;
@@ -1101,18 +1110,18 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     if (!transport::on_transport_thread()) {
       // A user or pool thread (an RRef dropped in user code): send from here. Waking a pool
       // thread to do it cost more than the message itself.
-      auto fut = host_.host_control_call(to, rref_message_type(kind), std::move(m),
-                                         host_.host_timeout(kUnsetRpcTimeout),
-                                         std::string(rref_control_name(kind)));
+      auto fut = host_.host_control_call_retrying(
+          to, rref_message_type(kind), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+          std::string(rref_control_name(kind)), kControlAttempts, kControlFirstBackoff);
       host_.host_protocol_end(1);
       fut.add_done_callback(finish);
       return;
     }
     auto msg = std::make_shared<wire::Message>(std::move(m));
     const bool posted = host_.host_post([me, to, kind, msg, finish] {
-      auto fut = me->host_.host_control_call(to, rref_message_type(kind), std::move(*msg),
-                                             me->host_.host_timeout(kUnsetRpcTimeout),
-                                             std::string(rref_control_name(kind)));
+      auto fut = me->host_.host_control_call_retrying(
+          to, rref_message_type(kind), std::move(*msg), me->host_.host_timeout(kUnsetRpcTimeout),
+          std::string(rref_control_name(kind)), kControlAttempts, kControlFirstBackoff);
       me->host_.host_protocol_end(1);
       fut.add_done_callback(finish);
     });
