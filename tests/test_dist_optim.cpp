@@ -235,13 +235,15 @@ TEST_CASE("dist optim: steps of two optimizers sharing a tensor never interleave
   // SGD with lr 1: each step subtracts its own gradient. Two optimizers over one tensor (two
   // trainers' parts on one owner) stepped from four threads at once: a step that ran with the
   // other optimizer's gradient, or restored .grad under it, would change the sum.
-  at::Tensor p = leaf({0.0f, 0.0f, 0.0f, 0.0f});
+  // Large enough that a step takes a while, so overlapping steps would be caught.
+  constexpr int64_t kSize = 1 << 16;
+  at::Tensor p = at::zeros({kSize}).requires_grad_(true);
   LocalOptimizer<torch::optim::SGD> a({p}, torch::optim::SGDOptions(1.0));
   LocalOptimizer<torch::optim::SGD> b({p}, torch::optim::SGDOptions(1.0));
   GradMap ga, gb;
-  ga.insert(p, at::full({4}, 1.0f));
-  gb.insert(p, at::full({4}, 1000.0f));
-  constexpr int kSteps = 200;
+  ga.insert(p, at::full({kSize}, 1.0f));
+  gb.insert(p, at::full({kSize}, 1000.0f));
+  constexpr int kSteps = 500;
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
@@ -255,7 +257,7 @@ TEST_CASE("dist optim: steps of two optimizers sharing a tensor never interleave
     });
   }
   for (auto& th : threads) th.join();
-  CHECK(at::equal(p.detach(), at::full({4}, -2.0f * kSteps * 1001.0f)));
+  CHECK(at::equal(p.detach(), at::full({kSize}, -2.0f * kSteps * 1001.0f)));
   CHECK_FALSE(p.grad().defined());
 }
 
