@@ -218,6 +218,12 @@ TEST_CASE("dist optim: LocalOptimizer refuses what it cannot optimize, naming th
         SGD({leaf({3.0f}), leaf({4.0f}), base * 2}, opts);
       },
       "parameter 2 is not a leaf tensor", "non-leaf");
+  const at::Tensor twice = leaf({5.0f});
+  expect_exact<std::invalid_argument>(
+      [&] {
+        SGD({twice, leaf({6.0f}), twice}, opts);
+      },
+      "parameter 2 is the same tensor as parameter 0", "twice");
   expect_c10<c10::Error>([&] { SGD({leaf({1.0f})}, torch::optim::SGDOptions(-1)); },
                          "Invalid learning rate: -1", "lr < 0");
 }
@@ -341,8 +347,15 @@ DISTRPC_MP_TEST("dist optim: constructor errors name the parameter and its owner
       expect_c10<c10::Error>([&] { DO({good}, torch::optim::SGDOptions(-0.5)); },
                              "Invalid learning rate: -0.5", "lr < 0");
     }
+    // The same parameter twice (two RRefs to one tensor count too: remote_parameters() twice).
+    expect_exact<std::invalid_argument>(
+        [&] {
+          DO({good, local, good}, opts);
+        },
+        "DistributedOptimizer: parameter 2 (on worker1) is the same tensor as parameter 0",
+        "twice");
     {
-      DO opt({good, local, good}, opts);
+      DO opt({good, local}, opts);
       const auto owners = opt.owners();
       REQUIRE(owners.size() == 2);
       CHECK(owners[0].name == "worker0");  // this worker's part first

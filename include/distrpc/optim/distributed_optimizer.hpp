@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -157,8 +158,8 @@ class LocalOptimizer {
   using options_type = OptionsOf<Opt>;
 
   // Throws std::invalid_argument naming the parameter (position in `params`) when one is
-  // undefined, does not require grad or is not a leaf; torch's own checks of the options
-  // (c10::Error, e.g. "Invalid learning rate: -1") are raised as they are.
+  // undefined, does not require grad, is not a leaf or is listed twice; torch's own checks of the
+  // options (c10::Error, e.g. "Invalid learning rate: -1") are raised as they are.
   LocalOptimizer(std::vector<at::Tensor> params, const options_type& options)
       : LocalOptimizer(std::move(params), options, {}, std::string()) {}
 
@@ -166,9 +167,19 @@ class LocalOptimizer {
   // the errors (what DistributedOptimizer's owners pass).
   LocalOptimizer(std::vector<at::Tensor> params, const options_type& options,
                  const std::vector<std::int64_t>& positions, const std::string& where) {
+    std::unordered_map<const c10::TensorImpl*, std::int64_t> seen;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      detail::check_parameter(
-          params[i], positions.empty() ? static_cast<std::int64_t>(i) : positions.at(i), where);
+      const std::int64_t position =
+          positions.empty() ? static_cast<std::int64_t>(i) : positions.at(i);
+      detail::check_parameter(params[i], position, where);
+      // The same tensor twice would be stepped twice per step (PyTorch warns about duplicate
+      // parameters and means to refuse them).
+      const auto [first, fresh] = seen.emplace(params[i].unsafeGetTensorImpl(), position);
+      if (!fresh) {
+        throw std::invalid_argument(
+            "distrpc::optim::DistributedOptimizer: " + detail::parameter_label(position, where) +
+            " is the same tensor as parameter " + std::to_string(first->second));
+      }
     }
     params_ = std::move(params);
     optimizer_ = std::make_unique<Opt>(params_, options);
@@ -276,8 +287,8 @@ class DistributedOptimizer {
   //  - an empty list, or an empty RRef handle at some position: std::invalid_argument;
   //  - invalid options: torch's own check (c10::Error, e.g. "Invalid learning rate: -1"), raised
   //    here before anything is sent;
-  //  - a parameter an owner cannot optimize (undefined, not requiring grad, not a leaf):
-  //    std::invalid_argument naming its position and owner;
+  //  - a parameter an owner cannot optimize (undefined, not requiring grad, not a leaf, the same
+  //    tensor as another one): std::invalid_argument naming its position and owner;
   //  - RPC not initialized, an owner unreachable: the RPC layer's errors.
   DistributedOptimizer(std::vector<RRef<at::Tensor>> params, options_type options) {
     (void)detail::OptimizerRegistrar<Opt>::registered;
