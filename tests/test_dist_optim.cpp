@@ -408,6 +408,11 @@ DISTRPC_MP_TEST("dist optim: a step failing on owners names each, after all fini
     // worker1 stepped all the same: 1 - 0.5 * 2, 2 - 0.5 * 2.
     CHECK(at::equal(p1.to_here().detach(), at::tensor({0.0f, 1.0f})));
     CHECK(at::equal(p2.to_here().detach(), at::tensor({3.0f})));
+    // Inside the context's scope the step's own message makes the context known on worker2, which
+    // has no gradient in it: its parameter stays, worker1 steps again.
+    opt.step(id);
+    CHECK(at::equal(p1.to_here().detach(), at::tensor({-1.0f, 0.0f})));
+    CHECK(at::equal(p2.to_here().detach(), at::tensor({3.0f})));
   }
   distrpc::shutdown();
 }
