@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 source .ci/deps.sh
 distrpc_install_deps
 # Only what this script runs: a newcomer waits for the examples, not for the test suites.
-DISTRPC_TARGETS="examples/rendezvous examples/hello_rpc examples/parameter_server examples/remote_module examples/data_parallel" \
+DISTRPC_TARGETS="examples/rendezvous examples/hello_rpc examples/parameter_server examples/remote_module examples/rnn examples/data_parallel" \
   distrpc_build build
 echo "== 4 local processes rendezvous through a TCP store on 127.0.0.1"
 ./build/examples/rendezvous --world 4
@@ -18,6 +18,9 @@ echo "== a parameter server (worker0) and 3 trainers over RRef proxies"
 echo
 echo "== a model split over two workers: local features on worker0, a RemoteModule head on worker1"
 ./build/examples/remote_module --batches 100
+echo
+echo "== a distributed RNN: embedding and decoder on a parameter server, the LSTM local; distributed autograd + DistributedOptimizer"
+./build/examples/rnn --iterations 40
 echo
 echo "== data-parallel training by hand: 4 replicas average their gradients with all_reduce (shared memory)"
 ./build/examples/data_parallel --world 4 --steps 30

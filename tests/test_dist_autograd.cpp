@@ -28,6 +28,8 @@
 #include <distrpc/nn/remote_module.hpp>
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
+#include <distrpc/transport/faulty.hpp>
+#include <distrpc/transport/tcp.hpp>
 
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"
@@ -888,4 +890,65 @@ DISTRPC_MP_TEST(
     ctx.lookup("backward-done", std::chrono::seconds(30));
   }
   distrpc::shutdown(false);
+}
+
+// ---- §1.3 cleanup on a faulty network ----------------------------------------------------------
+
+namespace {
+// PyTorch's faulty agent for these tests: the first 3 sends of the RRef protocol's messages and
+// of context releases fail; worker0's calls arrive 1.5 s late.
+struct AutogradFaults {
+  static distrpc::transport::FaultyOptions options(const distrpc::transport::TransportOptions& t) {
+    using distrpc::RRefControl;
+    using distrpc::rref_message_type;
+    distrpc::transport::FaultyOptions o{
+        .fail_sends = {.kinds = {rref_message_type(RRefControl::ForkRequest),
+                                 rref_message_type(RRefControl::ChildAccept),
+                                 rref_message_type(RRefControl::UserDelete),
+                                 da::AutogradLayer::message_type(da::AutogradLayer::kCleanup)},
+                       .count = 3}};
+    if (t.self_id == 0) {
+      o.delay = {.kinds = {distrpc::wire::MessageType::Request}, .by = 1500ms};
+    }
+    return o;
+  }
+};
+using FaultyTcp = distrpc::transport::Faulty<distrpc::transport::Tcp, AutogradFaults>;
+}  // namespace
+
+DISTRPC_MP_TEST(
+    "dist autograd: on a faulty network (releases and RRef messages fail 3 times, calls 1.5 s "
+    "late, 8 worker threads) nested contexts are released on every worker within 10 s",
+    3, 90) {
+  RpcBackendOptions o;
+  o.init_method = ctx.file_url();
+  o.num_worker_threads = 8;
+  distrpc::init_rpc<FaultyTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  if (ctx.rank == 0) {
+    std::int64_t id = -1;
+    at::Tensor t1 = torch::rand({3, 3}, torch::requires_grad());
+    {
+      da::Context c;
+      id = c.id();
+      auto ret = distrpc::rpc_sync<&ag_test::nested_add>("worker1", std::string("worker2"), t1, t1);
+      da::backward(c.id(), {ret.sum()});
+      CHECK(same(grad_of(id, t1), at::full({3, 3}, 4.0)));
+      // An RRef made, used and released in the context too.
+      auto r = distrpc::remote<&ag_test::add>("worker2", t1, t1);
+      CHECK(same(r.to_here(), t1 * 2));
+    }
+    const auto t0 = Clock::now();
+    bool gone = false;
+    while (!gone && ms_since(t0) < 10000) {
+      gone = !distrpc::rpc_sync<&ag_test::has_context>("worker1", id) &&
+             !distrpc::rpc_sync<&ag_test::has_context>("worker2", id);
+    }
+    CHECK(gone);
+    auto agent =
+        std::dynamic_pointer_cast<distrpc::Agent<FaultyTcp>>(distrpc::detail::current_agent());
+    REQUIRE(agent);
+    CHECK(agent->context().stats().failed.at(
+              da::AutogradLayer::message_type(da::AutogradLayer::kCleanup)) == 3);
+  }
+  distrpc::shutdown();
 }

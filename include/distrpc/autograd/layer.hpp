@@ -108,8 +108,8 @@ class AutogradLayer final : public AgentExtension,
  public:
   static constexpr int kExtensionId = 1;
   enum Kind : int { kGradients = 0, kCleanup = 1, kKinds = 2 };
-  // Cleanup messages are retried this many times in all when a send fails (a peer busy or a
-  // transient link failure), waiting kCleanupBackoff, doubled each time, in between.
+  // Release messages are sent this many times in all when a send fails (a transient link
+  // failure), waiting kCleanupBackoff, doubled each time, in between.
   static constexpr int kCleanupAttempts = 6;
   static constexpr std::chrono::milliseconds kCleanupBackoff{100};
   // Releases wait at most this long to go out together (send_cleanup).
@@ -506,39 +506,31 @@ class AutogradLayer final : public AgentExtension,
       batch.swap(pending_cleanup_);
       flush_scheduled_ = false;
     }
-    for (auto& [worker, ids] : batch) send_cleanup_to(worker, std::move(ids), 1, kCleanupBackoff);
+    for (auto& [worker, ids] : batch) send_cleanup_to(worker, std::move(ids));
   }
 
-  void send_cleanup_to(int worker, std::vector<std::int64_t> ids, int attempt,
-                       std::chrono::milliseconds wait) {
+  // A batch of releases to `worker`, resent on a send failure (kCleanupAttempts in all,
+  // backing off from kCleanupBackoff): a release that never arrives would leak the context there.
+  void send_cleanup_to(int worker, std::vector<std::int64_t> ids) {
     if (stopping_.load()) return;
     wire::Message m;
     wire::encode(m, ids);
     const std::string what = "release of " + std::to_string(ids.size()) + " autograd context(s)";
     Future<wire::Message> reply;
     try {
-      reply = host_.host_control_call(worker, control_type(kCleanup), std::move(m),
-                                      host_.host_timeout(kUnsetRpcTimeout), what);
+      reply = host_.host_control_call_retrying(worker, control_type(kCleanup), std::move(m),
+                                               host_.host_timeout(kUnsetRpcTimeout), what,
+                                               kCleanupAttempts, kCleanupBackoff);
     } catch (...) {
       reply = make_exceptional_future<wire::Message>(std::current_exception());
     }
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
-    reply.add_done_callback([weak, worker, ids = std::move(ids), attempt,
-                             wait](const Future<wire::Message>& r) mutable {
+    reply.add_done_callback([weak](const Future<wire::Message>& r) {
       if (!r.has_error()) return;
       auto self = weak.lock();
       if (!self || self->stopping_.load()) return;
-      if (attempt >= kCleanupAttempts) {
-        distrpc::detail::log_warning(
-            self->host_.host_self().name,
-            "could not release " + std::to_string(ids.size()) + " autograd context(s) on worker " +
-                std::to_string(worker) + " after " + std::to_string(attempt) +
-                " attempts: " + dist_autograd::detail::message_of(r.exception_ptr()));
-        return;
-      }
-      self->host_.host_after(wait, [weak, worker, ids = std::move(ids), attempt, wait]() mutable {
-        if (auto s = weak.lock()) s->send_cleanup_to(worker, std::move(ids), attempt + 1, wait * 2);
-      });
+      distrpc::detail::log_warning(self->host_.host_self().name,
+                                   dist_autograd::detail::message_of(r.exception_ptr()));
     });
   }
 
