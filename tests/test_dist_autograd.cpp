@@ -19,6 +19,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <doctest/doctest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -899,8 +900,8 @@ namespace {
 // of context releases fail; worker0's calls arrive 1.5 s late.
 struct AutogradFaults {
   static distrpc::transport::FaultyOptions options(const distrpc::transport::TransportOptions& t) {
-    using distrpc::RRefControl;
     using distrpc::rref_message_type;
+    using distrpc::RRefControl;
     distrpc::transport::FaultyOptions o{
         .fail_sends = {.kinds = {rref_message_type(RRefControl::ForkRequest),
                                  rref_message_type(RRefControl::ChildAccept),
@@ -949,6 +950,99 @@ DISTRPC_MP_TEST(
     REQUIRE(agent);
     CHECK(agent->context().stats().failed.at(
               da::AutogradLayer::message_type(da::AutogradLayer::kCleanup)) == 3);
+  }
+  distrpc::shutdown();
+}
+
+// ---- §1.8 post hooks of AccumulateGrad ---------------------------------------------------------
+
+namespace {
+struct CountingPostHook : torch::autograd::FunctionPostHook {
+  CountingPostHook(int* calls, int by) : calls_(calls), by_(by) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    *calls_ += by_;
+    return outputs;
+  }
+  int* calls_;
+  int by_;
+};
+}  // namespace
+
+DISTRPC_MP_TEST(
+    "dist autograd: AccumulateGrad post hooks run once per pass, as in PyTorch's "
+    "test_post_hooks (§1.8)",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    int calls = 0;
+    at::Tensor t = torch::rand({10, 10}, torch::requires_grad());
+    at::Tensor a = t + t;
+    auto acc0 = a.grad_fn()->next_edges()[0].function;
+    auto acc1 = a.grad_fn()->next_edges()[1].function;
+    REQUIRE(acc0 == acc1);  // both edges lead to t's AccumulateGrad
+    acc0->add_post_hook(std::make_unique<CountingPostHook>(&calls, 1));
+    acc0->add_post_hook(std::make_unique<CountingPostHook>(&calls, 2));
+    acc1->add_post_hook(std::make_unique<CountingPostHook>(&calls, 2));
+    da::Context c;
+    da::backward(c.id(), {a.sum()});
+    CHECK(calls == 5);
+    auto grads = da::get_gradients(c.id());
+    CHECK(grads.size() == 1);
+    CHECK(same(grad_of(c.id(), t), at::full({10, 10}, 2.0)));
+    CHECK_FALSE(t.grad().defined());
+  }
+  distrpc::shutdown();
+}
+
+// ---- RRef proxies, forward_async and user types inside a context --------------------------------
+
+namespace ag_test {
+struct Scaler {
+  explicit Scaler(double s = 1) : scale(s) {}
+  double scale;
+  at::Tensor apply(at::Tensor x) const { return x * scale; }
+};
+Scaler make_scaler(double s) {
+  return Scaler(s);
+}
+struct Pair {
+  at::Tensor first;
+  std::string tag;
+  at::Tensor second;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(first, tag, second);
+  }
+};
+Pair swap_pair(Pair p) {
+  return Pair{p.second * 3, p.tag, p.first * 5};
+}
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: RRef proxies, RemoteModule::forward_async and tensors inside user "
+    "types record their send and recv functions",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto scaler = distrpc::remote<&ag_test::make_scaler>("worker1", 4.0);
+    auto rm = distrpc::nn::RemoteModule<ag_test::LinearIface>::create<torch::nn::Linear>(
+        "worker1/cpu", 3, 2);
+    da::Context c;
+    at::Tensor x = torch::ones({2, 3}, torch::requires_grad());
+    at::Tensor viaproxy = scaler.rpc_sync<&ag_test::Scaler::apply>(x);
+    at::Tensor viaasync = rm.forward_async(x).value();
+    at::Tensor a = torch::ones({2}, torch::requires_grad());
+    at::Tensor b = torch::ones({2}, torch::requires_grad());
+    auto p = distrpc::rpc_sync<&ag_test::swap_pair>("worker1", ag_test::Pair{a, "t", b});
+    CHECK(p.tag == "t");
+    da::backward(c.id(), {viaproxy.sum(), viaasync.sum(), p.first.sum(), p.second.sum()});
+    at::Tensor w = rm.remote_parameters()[0].to_here();
+    CHECK(at::allclose(grad_of(c.id(), x), at::full({2, 3}, 4.0) + at::ones({2, 2}).matmul(w)));
+    CHECK(same(grad_of(c.id(), a), at::full({2}, 5.0)));
+    CHECK(same(grad_of(c.id(), b), at::full({2}, 3.0)));
   }
   distrpc::shutdown();
 }
