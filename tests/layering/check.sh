@@ -27,11 +27,12 @@ layer_of() {
     distrpc/nn/*) echo 7 ;;                                                   # modules
     distrpc/dist_autograd.hpp | distrpc/autograd/* | distrpc/dist_optim.hpp | \
       distrpc/optim/*) echo 8 ;;                                              # autograd
-    distrpc/distrpc.hpp) echo 9 ;;                                            # everything
+    distrpc/ddp.hpp | distrpc/ddp/*) echo 9 ;;                                # parallel (DDP)
+    distrpc/distrpc.hpp) echo 10 ;;                                           # everything
     *) echo "?" ;;
   esac
 }
-names=(values net wire store transport agent refs modules autograd umbrella)
+names=(values net wire store transport agent refs modules autograd parallel umbrella)
 
 exceptions=tests/layering/known_exceptions.txt
 declare -A known=()
