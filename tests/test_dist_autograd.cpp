@@ -893,6 +893,97 @@ DISTRPC_MP_TEST(
   distrpc::shutdown(false);
 }
 
+namespace ag_test {
+// A backward function that ends its process: the worker is lost in the middle of its pass.
+struct DyingFn : torch::autograd::Function<DyingFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x * 1; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    _exit(0);
+    return g;
+  }
+};
+at::Tensor dying(at::Tensor x) {
+  return DyingFn::apply(x);
+}
+// worker `next` runs FailingFn on a * 2.
+at::Tensor nested_failing(std::string next, at::Tensor a) {
+  return distrpc::rpc_sync<&failing>(next, a * 2);
+}
+}  // namespace ag_test
+
+DISTRPC_MP_TEST(
+    "dist autograd: a worker that dies in the middle of its pass fails backward at once, "
+    "naming it (scenario 14)",
+    2, 60) {
+  RpcBackendOptions o;
+  o.rpc_timeout = std::chrono::seconds(5);
+  init(ctx, o);
+  if (ctx.rank == 0) {
+    da::Context c;
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    auto r = distrpc::rpc_sync<&ag_test::dying>("worker1", t);
+    const auto t0 = Clock::now();
+    const std::string e = error_of([&] { da::backward(c.id(), {r.sum()}); });
+    CHECK(ms_since(t0) < 5500);
+    CHECK_MESSAGE(contains(e, "Error on Node "), e);
+    CHECK_MESSAGE(contains(e, "worker1"), e);
+    CHECK(da::get_debug_info().at("num_current_backward_passes") == "0");
+  } else {
+    ctx.lookup("never", std::chrono::seconds(30));  // ends inside its backward function
+  }
+  distrpc::shutdown(false);
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: an error in the pass of a worker reached through another reaches the root "
+    "with its node; the next pass in the context succeeds",
+    3, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    da::Context c;
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    auto loss =
+        distrpc::rpc_sync<&ag_test::nested_failing>("worker1", std::string("worker2"), t).sum();
+    distrpc::rpc_sync<&ag_test::set_fail>("worker2", true);
+    const std::string e = error_of([&] { da::backward(c.id(), {loss}, true); });
+    CHECK_MESSAGE(contains(e, "Error on Node 2: "), e);
+    CHECK(contains(e, "Simulate error on backward pass"));
+    distrpc::rpc_sync<&ag_test::set_fail>("worker2", false);
+    CHECK(error_of([&] { da::backward(c.id(), {loss}); }).empty());
+    CHECK(same(grad_of(c.id(), t), at::full({2}, 2.0)));
+  }
+  distrpc::shutdown();
+}
+
+TEST_CASE(
+    "dist autograd: the root's count ends a backward only when every message ran, whatever the "
+    "order of the reports") {
+  using distrpc::dist_autograd::detail::BackwardTracker;
+  BackwardTracker t;
+  t.created(1, 0);  // the root's own first pass
+  t.created(2, 1);  // which sends #2 to worker1
+  t.report(1, {}, {});
+  CHECK_FALSE(t.done().done());
+  t.report(3, {}, {});  // #3, sent by #2's pass, ran before #2's report came
+  CHECK_FALSE(t.done().done());
+  CHECK(t.waits_for(1));
+  CHECK_FALSE(t.waits_for(2));
+  t.report(2, {3, 4}, {2, 2});  // #2 ran and sent #3 and #4 to worker2
+  CHECK_FALSE(t.done().done());
+  CHECK(t.waits_for(2));
+  CHECK_FALSE(t.waits_for(1));
+  t.report(4, {}, {});
+  CHECK(t.done().has_value());
+
+  BackwardTracker f;
+  f.created(1, 0);
+  f.fail(std::make_exception_ptr(std::runtime_error("Error on Node 3: boom")));
+  f.report(1, {}, {});  // later reports change nothing
+  CHECK(f.done().has_error());
+  CHECK(error_of([&] { f.done().value(); }) == "Error on Node 3: boom");
+}
+
 // ---- §1.3 cleanup on a faulty network ----------------------------------------------------------
 
 namespace {

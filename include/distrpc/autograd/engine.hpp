@@ -5,9 +5,9 @@
 // libtorch's engine for the gradients at two kinds of edges, which the engine then computes
 // without running the nodes behind them: each leaf's AccumulateGrad (accumulated into the context
 // after the leaf's hooks, never into `.grad`), and each RecvRpcBackward's inputs (sent to the
-// worker that sent those tensors, whose own pass then continues from its send function). The pass
-// is complete when its engine run is and every pass it started elsewhere is: nothing waits for a
-// send function that no gradient reaches, so an unused RPC result cannot hang a backward.
+// worker that sent those tensors, whose own pass then continues from its send function). A pass
+// never waits for a send function that no gradient reaches, so an unused RPC result cannot hang
+// a backward (layer.hpp tracks when all the passes a backward started are done).
 //
 // Passes of one context on one worker run one at a time. Where two of them can reach the same
 // node (a tensor that both flows on locally and was sent), the engine keeps that node's saved
@@ -37,7 +37,6 @@
 
 #include "distrpc/autograd/context.hpp"
 #include "distrpc/autograd/functions.hpp"
-#include "distrpc/future.hpp"
 
 namespace distrpc::dist_autograd::detail {
 
@@ -151,16 +150,15 @@ inline void deliver_to_leaf(DistAutogradContext& ctx, torch::autograd::Accumulat
   for (const auto& hook : acc.post_hooks()) (void)(*hook)(variable_list{}, variable_list{grad});
 }
 
-// How a pass hands the gradients of a recv function to its sender: the future completes when the
-// sender's pass (and all it started) completed.
-using SendGradients = std::function<Future<void>(const RecvRpcBackward& recv, variable_list grads,
-                                                 bool retain_graph)>;
+// How a pass hands the gradients of a recv function to its sender: a message the pass does not
+// wait for (the backward's root learns when the pass it starts is done).
+using SendGradients =
+    std::function<void(const RecvRpcBackward& recv, variable_list grads, bool retain_graph)>;
 
-// Runs one pass on this thread; the returned future completes when the passes it started on other
-// workers have. Errors read "Error on Node <worker>: ...".
-inline Future<void> run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_roots,
-                             const variable_list& all_grads, bool retain_graph,
-                             const SendGradients& send) {
+// Runs one pass on this thread, sending the gradients it computes for recv functions as it goes.
+// Throws "Error on Node <worker>: ..." when the pass fails.
+inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_roots,
+                     const variable_list& all_grads, bool retain_graph, const SendGradients& send) {
   // Roots without a gradient (a tensor the receiver did not use) are left out: the engine takes
   // defined gradients only.
   edge_list roots;
@@ -170,41 +168,33 @@ inline Future<void> run_pass(const ContextPtr& ctx, int self_id, const edge_list
     roots.push_back(all_roots[i]);
     grads.push_back(all_grads[i]);
   }
-  if (roots.empty()) return make_ready_future();
-  std::vector<Future<void>> started;
+  if (roots.empty()) return;
   try {
     std::lock_guard<std::mutex> pass(ctx->pass_mutex());
     PassPlan plan;
     walk(roots, plan.interior, &plan);
-    if (!plan.outputs.empty()) {
-      const bool keep = retain_graph || shares_nodes(*ctx, roots, plan.interior);
-      variable_list out = torch::autograd::Engine::get_default_engine().execute(
-          roots, grads, keep, /*create_graph=*/false, /*accumulate_grad=*/false, plan.outputs);
-      std::size_t k = 0;
-      for (const auto& leaf : plan.leaves) deliver_to_leaf(*ctx, *leaf, std::move(out[k++]));
-      for (const auto& recv : plan.recvs) {
-        variable_list g;
-        bool any = false;
-        for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
-          any = any || out[k].defined();
-          g.push_back(std::move(out[k++]));
-        }
-        if (!any) continue;
-        // The recv function never runs on the engine here: its work is this send, profiled
-        // under its name.
-        RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
-        started.push_back(send(*recv, std::move(g), retain_graph));
+    if (plan.outputs.empty()) return;
+    const bool keep = retain_graph || shares_nodes(*ctx, roots, plan.interior);
+    variable_list out = torch::autograd::Engine::get_default_engine().execute(
+        roots, grads, keep, /*create_graph=*/false, /*accumulate_grad=*/false, plan.outputs);
+    std::size_t k = 0;
+    for (const auto& leaf : plan.leaves) deliver_to_leaf(*ctx, *leaf, std::move(out[k++]));
+    for (const auto& recv : plan.recvs) {
+      variable_list g;
+      bool any = false;
+      for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
+        any = any || out[k].defined();
+        g.push_back(std::move(out[k++]));
       }
+      if (!any) continue;
+      // The recv function never runs on the engine here: its work is this send, profiled under
+      // its name.
+      RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
+      send(*recv, std::move(g), retain_graph);
     }
   } catch (...) {
-    return make_exceptional_future<void>(
-        std::runtime_error(node_error_text(self_id, message_of(std::current_exception()))));
+    throw std::runtime_error(node_error_text(self_id, message_of(std::current_exception())));
   }
-  if (started.empty()) return make_ready_future();
-  if (started.size() == 1) return started.front();
-  return collect_all(std::move(started)).then([](const Future<std::vector<Future<void>>>& all) {
-    for (const auto& f : all.value()) f.value();  // the first failure, in start order
-  });
 }
 
 }  // namespace distrpc::dist_autograd::detail

@@ -2,9 +2,11 @@
 // it. A call made inside a context carries (context id, autograd message id) as an attachment;
 // the tensors requiring grad that the request and its reply carry are recorded as they are
 // encoded and decoded (wire::TensorObserver): a SendRpcBackward where they leave, a
-// RecvRpcBackward where they arrive. Two control messages of its own: the gradients of a recv
-// function sent back to its send function (answered when the pass they start, and every pass
-// that one starts, is done), and the release of a context (forwarded to the workers it knows).
+// RecvRpcBackward where they arrive. Three control messages of its own: the gradients of a recv
+// function sent back to its send function (answered once the pass they start ran here), the
+// report of such a pass to the worker whose backward() it serves (termination.hpp: that worker
+// counts the passes, so no pass waits for those it started), and the release of a context
+// (forwarded to the workers it knows).
 #pragma once
 
 #include <ATen/ThreadLocalState.h>
@@ -23,6 +25,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -31,6 +34,7 @@
 #include "distrpc/autograd/context.hpp"
 #include "distrpc/autograd/engine.hpp"
 #include "distrpc/autograd/functions.hpp"
+#include "distrpc/autograd/termination.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/log.hpp"
 #include "distrpc/options.hpp"
@@ -107,7 +111,7 @@ class AutogradLayer final : public AgentExtension,
                             public std::enable_shared_from_this<AutogradLayer> {
  public:
   static constexpr int kExtensionId = 1;
-  enum Kind : int { kGradients = 0, kCleanup = 1, kKinds = 2 };
+  enum Kind : int { kGradients = 0, kCleanup = 1, kReport = 2, kKinds = 3 };
   // Release messages are sent this many times in all when a send fails (a transient link
   // failure), waiting kCleanupBackoff, doubled each time, in between.
   static constexpr int kCleanupAttempts = 6;
@@ -130,6 +134,8 @@ class AutogradLayer final : public AgentExtension,
         return "distributed autograd gradients";
       case kCleanup:
         return "distributed autograd context cleanup";
+      case kReport:
+        return "distributed autograd pass report";
       default:
         return "distributed autograd control " + std::to_string(kind);
     }
@@ -169,14 +175,24 @@ class AutogradLayer final : public AgentExtension,
     auto ctx = contexts().retrieve(context_id);
     ctx->set_running_roots(edges);
     PassCount count(*this);
-    Future<void> done;
-    {
+    // This backward's id: every pass it starts anywhere reports to it (termination.hpp).
+    const Origin origin{self_id(), next_message_id()};
+    auto tracker = std::make_shared<detail::BackwardTracker>();
+    TrackerEntry entry(*this, origin.backward_id, tracker);
+    // The first pass counts as a message of its own, done when it ran: nothing finishes while it
+    // still sends.
+    tracker->created(origin.backward_id, origin.root);
+    try {
       dist_autograd::detail::CurrentContextScope current(context_id);
-      done = run_pass(ctx, edges, grads, retain_graph);
+      run_pass(ctx, edges, grads, retain_graph, origin);
+      tracker->report(origin.backward_id, {}, {});
+    } catch (...) {
+      tracker->fail(std::current_exception());
     }
+    Future<void> done = tracker->done();
     try {
       // Waiting, this thread reads the transport itself (as a blocking rpc_sync does): the last
-      // reply then wakes no other thread.
+      // report then wakes no other thread.
       distrpc::detail::set_wait_driver(done, host_.host_wait_driver());
       done.wait();
       done.value();
@@ -281,7 +297,10 @@ class AutogradLayer final : public AgentExtension,
   Future<wire::Message> handle_control(int peer, int kind, const wire::Message& m) override {
     switch (kind) {
       case kGradients:
-        return receive_gradients(m);
+        return receive_gradients(peer, m);
+      case kReport:
+        receive_report(m);
+        return make_ready_future(distrpc::detail::empty_response());
       case kCleanup: {
         std::vector<std::int64_t> ids;
         wire::decode(m, ids);
@@ -299,7 +318,24 @@ class AutogradLayer final : public AgentExtension,
 
   // Graceful shutdown: the releases still waiting for their batch go out now.
   void before_exit(std::chrono::milliseconds /*limit*/) override { flush_cleanup(); }
-  void on_stop() override { stopping_.store(true); }
+  void on_stop() override {
+    stopping_.store(true);
+    for (auto& t : trackers()) {
+      t->fail(std::make_exception_ptr(std::runtime_error("the agent of worker " +
+                                                         std::to_string(self_id()) +
+                                                         " stopped during the backward pass")));
+    }
+  }
+  // A backward waiting for a pass on a lost worker fails now, naming it (the call that sent the
+  // gradients there may have been answered already: the pass itself was still to report).
+  void on_peer_lost(int peer) override {
+    for (auto& t : trackers()) {
+      if (!t->waits_for(peer)) continue;
+      t->fail(std::make_exception_ptr(std::runtime_error("worker " + host_.host_worker(peer).name +
+                                                         " (id " + std::to_string(peer) +
+                                                         ") was lost during the backward pass")));
+    }
+  }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
     if (container_) out["dist_autograd.num_autograd_contexts"] = std::to_string(container_->size());
@@ -365,6 +401,44 @@ class AutogradLayer final : public AgentExtension,
     AutogradLayer& l_;
   };
 
+  // Which backward a pass serves: the worker that called backward() and that call's id.
+  struct Origin {
+    int root = -1;
+    std::int64_t backward_id = -1;
+  };
+
+  // Registers a backward's tracker, so that reports reach it, while backward() runs.
+  class TrackerEntry {
+   public:
+    TrackerEntry(AutogradLayer& l, std::int64_t id, std::shared_ptr<detail::BackwardTracker> t)
+        : l_(l), id_(id) {
+      std::lock_guard<std::mutex> lk(l_.trackers_mu_);
+      l_.trackers_[id_] = std::move(t);
+    }
+    ~TrackerEntry() {
+      std::lock_guard<std::mutex> lk(l_.trackers_mu_);
+      l_.trackers_.erase(id_);
+    }
+    TrackerEntry(const TrackerEntry&) = delete;
+    TrackerEntry& operator=(const TrackerEntry&) = delete;
+
+   private:
+    AutogradLayer& l_;
+    const std::int64_t id_;
+  };
+
+  std::shared_ptr<detail::BackwardTracker> tracker(std::int64_t backward_id) {
+    std::lock_guard<std::mutex> lk(trackers_mu_);
+    auto it = trackers_.find(backward_id);
+    return it == trackers_.end() ? nullptr : it->second;
+  }
+  std::vector<std::shared_ptr<detail::BackwardTracker>> trackers() {
+    std::lock_guard<std::mutex> lk(trackers_mu_);
+    std::vector<std::shared_ptr<detail::BackwardTracker>> out;
+    for (auto& [id, t] : trackers_) out.push_back(t);
+    return out;
+  }
+
   int self_id() const { return host_.host_self().id; }
 
   std::int64_t next_message_id() {
@@ -391,46 +465,164 @@ class AutogradLayer final : public AgentExtension,
     ctx.add_recv(send_id, std::move(fn));
   }
 
-  Future<void> run_pass(const ContextPtr& ctx, const torch::autograd::edge_list& roots,
-                        const torch::autograd::variable_list& grads, bool retain_graph) {
-    auto self = shared_from_this();
-    return dist_autograd::detail::run_pass(
+  // Runs a pass here, sending the gradients it computes for recv functions; returns the messages
+  // it sent (ids and destinations), which its report to the root lists.
+  struct Sent {
+    std::vector<std::int64_t> ids;
+    std::vector<int> dsts;
+  };
+  Sent run_pass(const ContextPtr& ctx, const torch::autograd::edge_list& roots,
+                const torch::autograd::variable_list& grads, bool retain_graph,
+                const Origin& origin) {
+    Sent sent;
+    dist_autograd::detail::run_pass(
         ctx, self_id(), roots, grads, retain_graph,
-        [self, id = ctx->context_id()](const RecvRpcBackward& recv,
-                                       torch::autograd::variable_list g, bool retain) {
-          return self->send_gradients(id, recv, std::move(g), retain);
+        [&](const RecvRpcBackward& recv, torch::autograd::variable_list g, bool retain) {
+          const std::int64_t id = next_message_id();
+          sent.ids.push_back(id);
+          sent.dsts.push_back(recv.from());
+          send_gradients(ctx->context_id(), recv, std::move(g), retain, origin, id);
         });
+    return sent;
   }
 
-  Future<void> send_gradients(std::int64_t context_id, const RecvRpcBackward& recv,
-                              torch::autograd::variable_list grads, bool retain_graph) {
+  // Sends gradients to `recv`'s sender as message `id` of backward `origin`. The root counts the
+  // message before it leaves; the answer comes once the pass it starts ran there (from the root's
+  // own sends it is that pass's report). A send that fails fails the backward, naming the worker.
+  void send_gradients(std::int64_t context_id, const RecvRpcBackward& recv,
+                      torch::autograd::variable_list grads, bool retain_graph, const Origin& origin,
+                      std::int64_t id) {
+    const bool from_root = origin.root == self_id();
+    std::shared_ptr<detail::BackwardTracker> t;
+    if (from_root) {
+      t = tracker(origin.backward_id);
+      if (!t) return;  // that backward already failed and returned
+      t->created(id, recv.from());
+    }
     wire::Message m;
     {
       wire::TensorObserverScope none(nullptr);  // gradients are not recorded
-      wire::encode(m, context_id, recv.send_id(), retain_graph, grads);
+      wire::encode(m, context_id, recv.send_id(), retain_graph, grads, origin.root,
+                   origin.backward_id, id);
     }
-    auto reply = host_.host_control_call(
-        recv.from(), control_type(kGradients), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
-        "gradients of autograd context " + std::to_string(context_id));
-    return reply.then([](const Future<wire::Message>& r) { (void)r.value(); });
+    Future<wire::Message> reply;
+    try {
+      reply = host_.host_control_call(
+          recv.from(), control_type(kGradients), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+          "gradients of autograd context " + std::to_string(context_id));
+    } catch (...) {
+      reply = make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    std::weak_ptr<AutogradLayer> weak = weak_from_this();
+    reply.add_done_callback([weak, t, origin, id](const Future<wire::Message>& r) {
+      auto self = weak.lock();
+      if (!self) return;
+      if (r.has_error()) {
+        self->report_to_root(
+            origin, id, {},
+            dist_autograd::detail::node_error_text(
+                self->self_id(), dist_autograd::detail::message_of(r.exception_ptr())));
+        return;
+      }
+      if (!t) return;  // not the root: the pass reported to it directly
+      try {
+        Sent s;
+        wire::decode(r.value(), s.ids, s.dsts);
+        t->report(id, s.ids, s.dsts);
+      } catch (...) {
+        t->fail(std::current_exception());
+      }
+    });
   }
 
-  // Gradients for one of this worker's send functions: its pass runs on the callback pool; the
-  // reply goes back when that pass, and every pass it started, is done.
-  Future<wire::Message> receive_gradients(const wire::Message& m) {
-    try {
-      return receive_gradients_unwrapped(m);
-    } catch (...) {
-      throw std::runtime_error(dist_autograd::detail::node_error_text(
-          self_id(), dist_autograd::detail::message_of(std::current_exception())));
+  // Tells backward `origin` that message `processed` was (its pass sent `sent`), or that it
+  // failed (`error` not empty).
+  void report_to_root(const Origin& origin, std::int64_t processed, const Sent& sent,
+                      const std::string& error) {
+    if (origin.root == self_id()) {
+      auto t = tracker(origin.backward_id);
+      if (!t) return;
+      if (error.empty()) {
+        t->report(processed, sent.ids, sent.dsts);
+      } else {
+        t->fail(std::make_exception_ptr(std::runtime_error(error)));
+      }
+      return;
     }
+    wire::Message m;
+    wire::encode(m, origin.backward_id, processed, sent.ids, sent.dsts, error);
+    Future<wire::Message> reply;
+    try {
+      reply = host_.host_control_call_retrying(
+          origin.root, control_type(kReport), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+          "report of a backward pass", kCleanupAttempts, kCleanupBackoff);
+    } catch (...) {
+      return;  // the root is lost or this agent stops: nobody waits for the report
+    }
+    (void)reply;
   }
-  Future<wire::Message> receive_gradients_unwrapped(const wire::Message& m) {
+
+  void receive_report(const wire::Message& m) {
+    Origin origin{self_id(), -1};
+    std::int64_t processed = -1;
+    Sent sent;
+    std::string error;
+    wire::decode(m, origin.backward_id, processed, sent.ids, sent.dsts, error);
+    report_to_root(origin, processed, sent, error);
+  }
+
+  // Gradients for one of this worker's send functions: its pass runs here when this is not a
+  // transport thread, else on the callback pool. The answer goes back once it ran: to the root
+  // it is the pass's report; to anyone else an acknowledgement (the report goes to the root).
+  Future<wire::Message> receive_gradients(int peer, const wire::Message& m) {
     std::int64_t context_id = -1;
     std::int64_t send_id = -1;
     bool retain_graph = false;
     torch::autograd::variable_list grads;
-    wire::decode(m, context_id, send_id, retain_graph, grads);
+    Origin origin;
+    std::int64_t id = -1;
+    wire::decode(m, context_id, send_id, retain_graph, grads, origin.root, origin.backward_id, id);
+    Future<wire::Message> out;
+    auto self = shared_from_this();
+    auto task = [self, peer, context_id, send_id, retain_graph, grads = std::move(grads), origin,
+                 id, out]() mutable {
+      Sent sent;
+      try {
+        sent = self->run_received_pass(context_id, send_id, std::move(grads), retain_graph, origin);
+      } catch (...) {
+        const std::string error = dist_autograd::detail::node_error_text(
+            self->self_id(), dist_autograd::detail::message_of(std::current_exception()));
+        if (peer != origin.root) self->report_to_root(origin, id, {}, error);
+        out.try_set_exception(std::make_exception_ptr(std::runtime_error(error)));
+        return;
+      }
+      // The root counted its own sends as they left; anyone else lists them in the report.
+      if (origin.root == self->self_id()) sent = Sent{};
+      if (peer == origin.root) {
+        wire::Message reply = distrpc::detail::empty_response();
+        wire::encode(reply, sent.ids, sent.dsts);
+        out.try_set_value(std::move(reply));
+        return;
+      }
+      self->report_to_root(origin, id, sent, "");
+      out.try_set_value(distrpc::detail::empty_response());
+    };
+    // Already on a pool thread: run here (one hand-off less). Never on a transport thread.
+    if (!transport::on_transport_thread()) {
+      task();
+      return out;
+    }
+    if (!host_.host_post(std::move(task))) {
+      throw std::runtime_error(dist_autograd::detail::node_error_text(
+          self_id(), "the agent of worker " + std::to_string(self_id()) +
+                         " is stopping: backward pass not run"));
+    }
+    return out;
+  }
+
+  Sent run_received_pass(std::int64_t context_id, std::int64_t send_id,
+                         torch::autograd::variable_list grads, bool retain_graph,
+                         const Origin& origin) {
     auto ctx = contexts().retrieve(context_id);
     auto send = ctx->send_function(send_id);
     if (!send) {
@@ -442,35 +634,11 @@ class AutogradLayer final : public AgentExtension,
                                " carry " + std::to_string(grads.size()) + " tensors, " +
                                std::to_string(send->num_inputs()) + " expected");
     }
-    Future<wire::Message> out;
-    auto self = shared_from_this();
-    auto task = [self, ctx, send, grads = std::move(grads), retain_graph, out]() mutable {
-      auto count = std::make_shared<PassCount>(*self);
-      torch::autograd::edge_list roots;
-      for (std::uint32_t i = 0; i < send->num_inputs(); ++i) roots.emplace_back(send, i);
-      Future<void> done;
-      {
-        dist_autograd::detail::CurrentContextScope current(ctx->context_id());
-        done = self->run_pass(ctx, roots, grads, retain_graph);
-      }
-      done.add_done_callback([out, count](const Future<void>& d) {
-        if (d.has_error()) {
-          out.try_set_exception(d.exception_ptr());
-        } else {
-          out.try_set_value(distrpc::detail::empty_response());
-        }
-      });
-    };
-    // Already on a pool thread: run here (one hand-off less). Never on a transport thread.
-    if (!transport::on_transport_thread()) {
-      task();
-      return out;
-    }
-    if (!host_.host_post(std::move(task))) {
-      throw std::runtime_error("the agent of worker " + std::to_string(self_id()) +
-                               " is stopping: backward pass not run");
-    }
-    return out;
+    PassCount count(*this);
+    torch::autograd::edge_list roots;
+    for (std::uint32_t i = 0; i < send->num_inputs(); ++i) roots.emplace_back(send, i);
+    dist_autograd::detail::CurrentContextScope current(context_id);
+    return run_pass(ctx, roots, grads, retain_graph, origin);
   }
 
   // Releases go out in batches, one message per worker every kCleanupBatchDelay at most: a
@@ -540,6 +708,8 @@ class AutogradLayer final : public AgentExtension,
   std::atomic<std::int64_t> next_message_{0};
   std::atomic<int> passes_{0};
   std::atomic<bool> stopping_{false};
+  std::mutex trackers_mu_;
+  std::unordered_map<std::int64_t, std::shared_ptr<detail::BackwardTracker>> trackers_;
   std::mutex cleanup_mu_;
   std::map<int, std::vector<std::int64_t>> pending_cleanup_;
   bool flush_scheduled_ = false;
