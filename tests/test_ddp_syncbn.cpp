@@ -184,9 +184,35 @@ void run_value_cases(int rank, const std::vector<int64_t>& rows_4d,
       rank, world);
 }
 
+// Rank 1's input needs no gradient (only the parameters do): its backward still joins rank 0's
+// all-reduce, so rank 0 gets the whole batch's input gradient and neither waits.
+void input_without_grad_on_one_rank(int rank) {
+  torch::nn::BatchNorm2d ref(3);
+  SyncBatchNorm sync(3);
+  set_affine(ref->weight, ref->bias);
+  set_affine(sync->weight, sync->bias);
+  torch::manual_seed(21);
+  const at::Tensor x = at::randn({6, 3, 2, 2}) * 2 + 3;
+  const at::Tensor g = at::randn({6, 3, 2, 2});
+  at::Tensor xr = x.clone().requires_grad_(true);
+  (ref->forward(xr) * g).sum().backward();
+  const int64_t lo = rank == 0 ? 0 : 4, n = rank == 0 ? 4 : 2;
+  at::Tensor xs = x.narrow(0, lo, n).clone().requires_grad_(rank == 0);
+  (sync->forward(xs) * g.narrow(0, lo, n)).sum().backward();
+  if (rank == 0) {
+    check_close(xs.grad(), xr.grad().narrow(0, lo, n), "input gradient");
+  } else {
+    CHECK_FALSE(xs.grad().defined());
+  }
+  at::Tensor wg = sync->weight.grad().clone();
+  dist::all_reduce(wg);
+  check_close(wg, ref->weight.grad(), "summed weight gradient");
+}
+
 void values_scenario(const RankContext& ctx, const std::string& backend) {
   init(ctx, backend);
   run_value_cases(ctx.rank, {4, 2}, {3, 2}, {1, 2}, {1, 2});
+  input_without_grad_on_one_rank(ctx.rank);
   dist::destroy_process_group();
 }
 
