@@ -59,7 +59,8 @@ struct SyncBatchNormOptions {
   // Added to the variance before its square root.
   TORCH_ARG(double, eps) = 1e-5;
   // Weight of the new batch in the running statistics; nullopt: a cumulative average over the
-  // batches seen (1 / num_batches_tracked).
+  // batches seen (1 / num_batches_tracked). Write std::nullopt (c10::nullopt is another type in
+  // libtorch 1.13).
   TORCH_ARG(std::optional<double>, momentum) = 0.1;
   // Learnable per-channel weight (ones) and bias (zeros).
   TORCH_ARG(bool, affine) = true;
@@ -249,7 +250,9 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   explicit SyncBatchNormImpl(int64_t num_features)
       : SyncBatchNormImpl(SyncBatchNormOptions(num_features)) {}
 
-  // Makes fresh parameters (weight ones, bias zeros) and statistics (mean 0, variance 1).
+  // Registers fresh parameters (weight ones, bias zeros) and statistics (mean 0, variance 1), as
+  // torch::nn::BatchNorm does; the first reset of a from_batch_norm layer registers the converted
+  // layer's tensors instead.
   void reset() override {
     const int64_t c = options.num_features();
     Adopted from = std::move(adopted_);
