@@ -148,6 +148,14 @@ bool close(const at::Tensor& got, const at::Tensor& want, double tol) {
   return false;
 }
 
+// What DistributedDataParallel::register_comm_hook(state, hook) does with a hook: keeps the state
+// and binds it into the reducer's CommHook.
+template <class State, class Hook>
+ddp::CommHook bind_hook(State state, Hook hook) {
+  auto kept = std::make_shared<State>(std::move(state));
+  return [kept, hook](ddp::GradBucket& b) { return hook(*kept, b); };
+}
+
 double relative_error(const at::Tensor& got, const at::Tensor& want) {
   return (got.to(at::kDouble) - want.to(at::kDouble)).norm().item<double>() /
          want.to(at::kDouble).norm().item<double>();
@@ -180,6 +188,10 @@ DISTRPC_MP_TEST("ddp hooks: allreduce_hook averages the bucket exactly, in place
     CHECK(at::equal(got.narrow(0, 0, 12), at::full({12}, 2.0)));
     CHECK(at::equal(got.narrow(0, 12, 5), at::full({5}, 10.5)));
     CHECK(at::equal(b.gradients()[0], at::full({3, 4}, 2.0)));
+    // Through a CommHook, as the reducer calls it.
+    ddp::CommHook hook = bind_hook(Group{}, ddp::allreduce_hook);
+    ddp::GradBucket h = bucket_of({at::full({6}, 1.0 + 2 * ctx.rank)});
+    CHECK(at::equal(result_of(hook(h)), at::full({6}, 2.0)));
     // Complex gradients are averaged too.
     ddp::GradBucket c =
         bucket_of({at::complex(at::full({4}, 1.0 + ctx.rank), at::full({4}, -2.0 * ctx.rank))});
@@ -543,7 +555,9 @@ DISTRPC_MP_TEST("ddp hooks: batched_powerSGD_hook at full rank recovers the mean
 DISTRPC_MP_TEST("ddp hooks: PowerSGD buckets in flight together stay in step across ranks", 2,
                 120) {
   on_each_backend(ctx, [&](const std::string&) {
-    ddp::PowerSGDState state({.start_powerSGD_iter = 2});
+    // Bound as the reducer binds it: the state moved into the hook.
+    ddp::CommHook hook =
+        bind_hook(ddp::PowerSGDState({.start_powerSGD_iter = 2}), ddp::powerSGD_hook);
     for (int it = 0; it < 5; ++it) {
       std::vector<ddp::GradBucket> buckets;
       std::vector<at::Tensor> want;
@@ -559,12 +573,11 @@ DISTRPC_MP_TEST("ddp hooks: PowerSGD buckets in flight together stay in step acr
         want.push_back(mean_of(g(0), g(1)));
       }
       std::vector<Future<at::Tensor>> futures;
-      for (auto& b : buckets) futures.push_back(ddp::powerSGD_hook(state, b));
+      for (auto& b : buckets) futures.push_back(hook(b));
       for (std::size_t k = 0; k < futures.size(); ++k) {
         CHECK(close(result_of(futures[k]), want[k], 1e-5));
       }
     }
-    CHECK(state.iter() == 5);
   });
 }
 
