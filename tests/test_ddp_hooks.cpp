@@ -111,7 +111,7 @@ at::Tensor result_of(const Future<at::Tensor>& f) {
     try {
       std::rethrow_exception(f.exception_ptr());
     } catch (const std::exception& e) {
-      FAIL("the hook's future failed: " << e.what());
+      FAIL("the hook's future failed: " << std::string(e.what()));
     }
   }
   return f.value();
