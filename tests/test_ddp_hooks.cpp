@@ -294,6 +294,20 @@ DISTRPC_MP_TEST("ddp hooks: bad buckets and groups are refused, naming what is w
   });
 }
 
+TEST_CASE("ddp hooks: without a default process group the hooks say so") {
+  REQUIRE_FALSE(dist::is_initialized());
+  const std::string text =
+      "Default process group has not been initialized, please make sure to call "
+      "init_process_group.";
+  Group none;
+  ddp::GradBucket b = bucket_of({at::ones({4})});
+  CHECK(error_text<std::logic_error>([&] { (void)ddp::allreduce_hook(none, b); }) == text);
+  CHECK(error_text<std::logic_error>([&] { (void)ddp::fp16_compress_hook(none, b); }) == text);
+  ddp::PowerSGDState state({.start_powerSGD_iter = 2});
+  CHECK(error_text<std::logic_error>([&] { (void)ddp::powerSGD_hook(state, b); }) == text);
+  CHECK(at::equal(b.buffer(), at::ones({4})));
+}
+
 // ---- PowerSGD
 
 TEST_CASE("ddp hooks: PowerSGDState validates its settings with PyTorch's text") {

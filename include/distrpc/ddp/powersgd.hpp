@@ -274,18 +274,21 @@ inline void add_error(PowerSGDShared& s, std::size_t index, const at::Tensor& in
   input.add_(err);
 }
 
-// Decides plain all-reduce vs. compression for this call and advances the iteration on the last
-// bucket. The plain path goes through the issue order too (a state's collectives stay in order).
+// Whether this call compresses (PyTorch: from iteration start_powerSGD_iter on).
 inline bool compressing_now(PowerSGDShared& s, const PowerSGDOptions& o) {
   std::lock_guard<std::mutex> lk(s.mu);
   return s.iter >= o.start_powerSGD_iter;
 }
+// The last bucket of an iteration ends it. Advanced when the hook is called (PyTorch advances it
+// when the compressed bucket's future completes; DDP waits for every bucket before the next
+// iteration, so both see the same count at every call).
 inline void advance_iter(PowerSGDShared& s, const GradBucket& b) {
   if (!b.is_last()) return;
   std::lock_guard<std::mutex> lk(s.mu);
   ++s.iter;
 }
 
+// allreduce_hook's reduction, in the state's issue order like the compressed path's collectives.
 inline Future<at::Tensor> plain_allreduce(PowerSGDShared& s,
                                           std::shared_ptr<dist::ProcessGroup> group,
                                           at::Tensor input) {
