@@ -475,6 +475,20 @@ DISTRPC_MP_TEST("ddp hooks: powerSGD_hook at full rank, batched shapes, no warm 
     ddp::GradBucket b = bucket_of(g3(ctx.rank));
     at::Tensor got = result_of(ddp::powerSGD_hook(state, b));
     CHECK((got.scalar_type() == at::kDouble));
+    // float16 and bfloat16 buckets (mixed-precision gradients), within their precision.
+    for (at::ScalarType dt : {at::kHalf, at::kBFloat16}) {
+      INFO("dtype " << c10::toString(dt));
+      ddp::PowerSGDState low(
+          {.start_powerSGD_iter = 0, .use_error_feedback = false, .warm_start = false});
+      auto g16 = [&](int r) {
+        return std::vector<at::Tensor>{
+            (randn_seeded({8, 1}, 72).mm(randn_seeded({1, 6}, 73)) * (r + 1.0)).to(dt)};
+      };
+      ddp::GradBucket b16 = bucket_of(g16(ctx.rank));
+      at::Tensor got16 = result_of(ddp::powerSGD_hook(low, b16));
+      CHECK((got16.scalar_type() == dt));
+      CHECK(close(got16, mean_of(g16(0), g16(1)), dt == at::kHalf ? 1e-2 : 5e-2));
+    }
     CHECK(close(got, mean_of(g3(0), g3(1)), 1e-10));
   });
 }

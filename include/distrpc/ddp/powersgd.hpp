@@ -243,6 +243,16 @@ inline void fill_random(const std::vector<at::Tensor>& tensors, std::uint64_t se
   }
 }
 
+// a @ b batched, in a's dtype. libtorch has no CPU matrix product for float16: there the product
+// runs in float32 (only the product: what travels and is stored stays in the bucket's dtype).
+inline at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  const at::ScalarType dt = a.scalar_type();
+  if (a.is_cpu() && (dt == at::kHalf || dt == at::kBFloat16)) {
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(dt);
+  }
+  return at::matmul(a, b);
+}
+
 // The reduced tensor of a Work into `dst`, which the backends reduce in place (kept correct for
 // one that returns a fresh tensor).
 inline void take_result(const at::Tensor& dst, const Future<std::vector<at::Tensor>>& f) {
@@ -515,7 +525,7 @@ inline Future<at::Tensor> powerSGD_hook(PowerSGDState& state, GradBucket& bucket
   for (const auto& b : *batches) detail::orthogonalize(b.q, epsilon);
 
   // P = M Q, computed before anything is issued (it needs nothing from the other ranks).
-  for (const auto& b : *batches) b.p.copy_(at::bmm(b.matrices, b.q));
+  for (const auto& b : *batches) b.p.copy_(detail::product(b.matrices, b.q));
 
   {
     std::lock_guard<std::mutex> lk(shared->mu);
@@ -534,7 +544,8 @@ inline Future<at::Tensor> powerSGD_hook(PowerSGDState& state, GradBucket& bucket
           detail::IssuedOnExit done(issued);
           detail::take_result(p_memory, reduced_p);
           for (const auto& b : *batches) detail::orthogonalize(b.p, epsilon);
-          for (const auto& b : *batches) b.q.copy_(at::bmm(b.matrices.transpose(1, 2), b.p));
+          for (const auto& b : *batches)
+            b.q.copy_(detail::product(b.matrices.transpose(1, 2), b.p));
           return detail::issue_all_reduce(group, q_memory);
         });
     return when_all_succeed(std::vector<Future<std::vector<at::Tensor>>>{u, q})
@@ -552,7 +563,7 @@ inline Future<at::Tensor> powerSGD_hook(PowerSGDState& state, GradBucket& bucket
           if (!q_sum.is_same(q_memory)) q_memory.copy_(q_sum);
           q_memory.div_(world);
           for (const auto& b : *batches) {
-            b.matrices.copy_(at::bmm(b.p, b.q.transpose(1, 2)));
+            b.matrices.copy_(detail::product(b.p, b.q.transpose(1, 2)));
             for (std::size_t i = 0; i < b.originals.size(); ++i) {
               b.originals[i].copy_(b.matrices[static_cast<std::int64_t>(i)]);
             }
@@ -616,7 +627,7 @@ inline Future<at::Tensor> batched_powerSGD_hook(PowerSGDState& state, GradBucket
     }
   }
   detail::orthogonalize(q_memory.unsqueeze(0), epsilon);
-  p_memory.copy_(at::matmul(matrix, q_memory));
+  p_memory.copy_(detail::product(matrix, q_memory));
 
   {
     std::lock_guard<std::mutex> lk(shared->mu);
@@ -633,13 +644,13 @@ inline Future<at::Tensor> batched_powerSGD_hook(PowerSGDState& state, GradBucket
           detail::IssuedOnExit done(issued);
           detail::take_result(p_memory, reduced_p);
           detail::orthogonalize(p_memory.unsqueeze(0), epsilon);
-          q_memory.copy_(at::matmul(matrix.t(), p_memory));
+          q_memory.copy_(detail::product(matrix.t(), p_memory));
           return detail::issue_all_reduce(group, q_memory);
         });
     return q.then([=](Future<std::vector<at::Tensor>>& reduced_q) -> at::Tensor {
       detail::take_result(q_memory, reduced_q);
       q_memory.div_(world);
-      matrix.copy_(at::matmul(p_memory, q_memory.t()));
+      matrix.copy_(detail::product(p_memory, q_memory.t()));
       if (error_feedback) {
         at::Tensor err = padded_copy - padded;
         std::lock_guard<std::mutex> lk(shared->mu);
