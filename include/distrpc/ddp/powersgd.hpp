@@ -15,7 +15,8 @@
 // approximation lost on this rank is added to the bucket's gradients the next iteration; with
 // warm start, Q carries over to the next iteration (one step of power iteration per iteration).
 // batched_powerSGD_hook instead compresses the whole bucket as one square matrix (faster, much
-// less accurate unless matrix_approximation_rank is 1).
+// less accurate unless matrix_approximation_rank is 1). Buckets of float32, float64, float16 and
+// bfloat16 (on the CPU the last two multiply in float32; all else stays in the bucket's dtype).
 //
 // Ranks agree without talking: the random Qs come from a generator seeded with random_seed, drawn
 // in the order the hooks are called, which DDP keeps the same on every rank.
