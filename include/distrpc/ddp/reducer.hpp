@@ -499,9 +499,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
     std::vector<char> globally_unused(params_.size(), 0);
     if (have_used) {
-      const at::Tensor& u = used_map_;
+      const auto u = used_map_.accessor<std::int32_t, 1>();
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        globally_unused[i] = u[static_cast<std::int64_t>(i)].item<int>() == 0;
+        globally_unused[i] = u[static_cast<std::int64_t>(i)] == 0;
       }
       if (static_first()) static_globally_unused_ = globally_unused;
     } else if (opts_.static_graph) {
