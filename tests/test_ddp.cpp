@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -401,6 +402,43 @@ void static_graph(const RankContext& ctx) {
   }
 }
 
+// A ModuleHolder wraps as its Impl; buffers follow rank 0's before each forward.
+void holders_and_buffers(const RankContext& ctx) {
+  torch::manual_seed(20 + ctx.rank);
+  torch::nn::Linear lin(torch::nn::LinearOptions(2, 3));
+  DistributedDataParallel holder(lin);
+  static_assert(std::is_same_v<decltype(holder), DistributedDataParallel<torch::nn::LinearImpl>>);
+  torch::manual_seed(20);
+  torch::nn::Linear rank0(torch::nn::LinearOptions(2, 3));
+  CHECK(at::equal(lin->weight, rank0->weight));
+  CHECK(at::equal(lin->bias, rank0->bias));
+  holder(at::full({1, 2}, 1.0 + ctx.rank)).sum().backward();
+  CHECK(at::equal(lin->weight.grad(), at::full({3, 2}, 1.5)));  // (1 + 2) / 2
+  CHECK(at::equal(lin->bias.grad(), at::ones({3})));
+
+  struct Counting : torch::nn::Module {
+    Counting() {
+      fc = register_module("fc", torch::nn::Linear(2, 2));
+      seen = register_buffer("seen", at::zeros({1}));
+    }
+    at::Tensor forward(at::Tensor x) {
+      seen += 1;
+      return fc(x);
+    }
+    torch::nn::Linear fc{nullptr};
+    at::Tensor seen;
+  };
+  auto counting = std::make_shared<Counting>();
+  DistributedDataParallel d(counting);
+  if (ctx.rank == 1) counting->seen.fill_(7);  // overwritten by rank 0's before the forward
+  d(at::ones({1, 2})).sum().backward();
+  CHECK(counting->seen.item<float>() == 1);
+  DistributedDataParallel keep(std::make_shared<Counting>(), {.broadcast_buffers = false});
+  if (ctx.rank == 1) keep.module()->seen.fill_(7);
+  keep(at::ones({1, 2})).sum().backward();
+  CHECK(keep.module()->seen.item<float>() == (ctx.rank == 1 ? 8 : 1));
+}
+
 }  // namespace
 
 // The scenarios above once per backend; each case is one launch of 2 fresh processes.
@@ -420,12 +458,21 @@ void static_graph(const RankContext& ctx) {
   DDP_CASE(backend, tag, "no_sync accumulates, then one synchronized step", no_sync_accumulates) \
   DDP_CASE(backend, tag, "gradient_as_bucket_view", grads_are_bucket_views)                      \
   DDP_CASE(backend, tag, "buckets rebuilt in arrival order", buckets_rebuilt)                    \
-  DDP_CASE(backend, tag, "static_graph", static_graph)
+  DDP_CASE(backend, tag, "static_graph", static_graph)                                           \
+  DDP_CASE(backend, tag, "module holders, buffers", holders_and_buffers)
 
 DDP_CASES("distrpc", distrpc)
 #ifdef USE_C10D_GLOO
 DDP_CASES("gloo", gloo)
 #endif
+
+TEST_CASE("ddp: bad options are named before any communication") {
+  CHECK(what_of([] { DistributedDataParallel d(std::shared_ptr<NetImpl>{}); }) ==
+        "DistributedDataParallel: the module is null");
+  CHECK(what_of([] {
+          DistributedDataParallel d(std::make_shared<NetImpl>(), {.bucket_cap_mb = -1});
+        }) == "DistributedDataParallel: bucket_cap_mb must be >= 0, got -1.000000");
+}
 
 // A peer killed between forward and backward fails the survivor's backward within 2 s, naming
 // the lost rank (the distrpc backend sees the connection break; gloo's error names no rank).
