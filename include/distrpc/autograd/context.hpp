@@ -89,6 +89,19 @@ class DistAutogradContext {
     it->second.grad = it->second.grad + grad;
   }
 
+  // The gradient accumulated for `leaf` (undefined when none). With set_gradient, what
+  // DistributedDataParallel uses to reduce the gradients of a pass across its process group.
+  at::Tensor gradient(const at::Tensor& leaf) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = grads_.find(leaf.unsafeGetTensorImpl());
+    return it == grads_.end() ? at::Tensor() : it->second.grad;
+  }
+  // Replaces the gradient of `leaf` (adds the entry when there is none).
+  void set_gradient(const at::Tensor& leaf, at::Tensor grad) {
+    std::lock_guard<std::mutex> lk(mu_);
+    grads_.insert_or_assign(leaf.unsafeGetTensorImpl(), Entry{leaf, std::move(grad)});
+  }
+
   // Serializes the passes of the backward that run here in this context (a node of the local
   // graph must not run in two passes at once).
   std::mutex& pass_mutex() { return pass_mu_; }
