@@ -189,8 +189,9 @@ int run_worker(const Args& a) {
                 static_cast<long long>(data.x.size(0)), st.bucket_count);
   }
 
-  // Every rank runs the same number of batches (DDP needs the same backward passes everywhere).
-  const std::int64_t batches = data.x.size(0) / kBatch;
+  // Every rank runs the same number of batches, counted from the smallest shard: DDP needs the
+  // same backward passes on every rank.
+  const std::int64_t batches = (kSamples / a.world) / kBatch;
   double first = 0;
   double last = 0;
   for (int epoch = 0; epoch < a.epochs; ++epoch) {
