@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 source .ci/deps.sh
 distrpc_install_deps
 # Only what this script runs: a newcomer waits for the examples, not for the test suites.
-DISTRPC_TARGETS="examples/rendezvous examples/hello_rpc examples/parameter_server examples/remote_module examples/rnn examples/data_parallel" \
+DISTRPC_TARGETS="examples/rendezvous examples/hello_rpc examples/parameter_server examples/remote_module examples/rnn examples/data_parallel examples/ddp_train examples/ddp_rpc" \
   distrpc_build build
 echo "== 4 local processes rendezvous through a TCP store on 127.0.0.1"
 ./build/examples/rendezvous --world 4
@@ -24,3 +24,9 @@ echo "== a distributed RNN: embedding and decoder on a parameter server, the LST
 echo
 echo "== data-parallel training by hand: 4 replicas average their gradients with all_reduce (shared memory)"
 ./build/examples/data_parallel --world 4 --steps 30
+echo
+echo "== data-parallel training with DistributedDataParallel: 2 replicas, gradients averaged during backward"
+./build/examples/ddp_train --world 2 --epochs 3 --timeout 120
+echo
+echo "== DDP beside RPC: an EmbeddingBag on a parameter server, a DDP Linear on 2 trainers, DistributedOptimizer"
+./build/examples/ddp_rpc --epochs 10 --timeout 120

@@ -5,6 +5,7 @@
 
 #include <stdlib.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -34,11 +35,14 @@ inline std::string rank_text(const std::string& v) {
 // "--rank env --init file://<dir>/rendezvous" followed by extra_args(dir), where dir is a fresh
 // directory (for the rendezvous file and whatever the copies leave for the launcher);
 // `before_cleanup` runs after every copy ended and before dir is removed. True when every copy
-// exited with 0; otherwise which one failed and how is printed to stderr.
+// exited with 0; otherwise which one failed and how is printed to stderr. A positive `timeout`
+// bounds the whole run: copies still running then are stopped (SIGTERM, then SIGKILL), so a hung
+// copy fails the run instead of hanging it.
 inline bool run_local_group(
     int world, const std::string& name,
     const std::function<std::vector<std::string>(const std::string& dir)>& extra_args,
-    const std::function<void(const std::string& dir)>& before_cleanup = {}) {
+    const std::function<void(const std::string& dir)>& before_cleanup = {},
+    std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) {
   std::string tmpl = "/tmp/distrpc-" + name + "-XXXXXX";
   if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp of " + tmpl + " failed");
   auto remove_dir = [&] {
@@ -52,6 +56,7 @@ inline bool run_local_group(
     args.insert(args.end(), extra.begin(), extra.end());
     distrpc::LaunchOptions opts;
     opts.nprocs = world;
+    opts.timeout = timeout;
     const distrpc::LaunchResult r =
         distrpc::launch_local(std::filesystem::read_symlink("/proc/self/exe").string(), args, opts);
     ok = r.ok();
@@ -66,9 +71,10 @@ inline bool run_local_group(
 }
 
 // A benchmark's group: every copy also gets "--out <dir>/result.json", where rank 0 writes its one
-// JSON line. Returns that line, or "" when a copy failed or wrote nothing.
-inline std::string run_local_group_for_result(int world, const std::string& name,
-                                              const std::vector<std::string>& args) {
+// JSON line. Returns that line, or "" when a copy failed or wrote nothing. `timeout` as above.
+inline std::string run_local_group_for_result(
+    int world, const std::string& name, const std::vector<std::string>& args,
+    std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) {
   std::string line;
   const bool ok = run_local_group(
       world, name,
@@ -80,7 +86,8 @@ inline std::string run_local_group_for_result(int world, const std::string& name
       [&](const std::string& dir) {
         std::ifstream in(dir + "/result.json");
         std::getline(in, line);
-      });
+      },
+      timeout);
   return ok ? line : std::string();
 }
 
