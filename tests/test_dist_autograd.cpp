@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -982,6 +983,83 @@ TEST_CASE(
   f.report(1, {}, {});  // later reports change nothing
   CHECK(f.done().has_error());
   CHECK(error_of([&] { f.done().value(); }) == "Error on Node 3: boom");
+}
+
+// ---- gradients that come back as they were sent ------------------------------------------------
+
+TEST_CASE(
+    "dist autograd: a pass from send functions straight to leaves sums each leaf's gradients "
+    "without the engine, converts the dtype, and names a gradient of the wrong shape") {
+  namespace dd = distrpc::dist_autograd::detail;
+  auto ctx = std::make_shared<da::DistAutogradContext>(7);
+  at::Tensor x = torch::ones({2, 2}, torch::requires_grad());
+  at::Tensor y = torch::ones({3}, torch::dtype(torch::kDouble).requires_grad(true));
+  // As an RPC that carried (x, x, y) records it: one send function, three inputs.
+  torch::autograd::edge_list edges{torch::autograd::impl::gradient_edge(x),
+                                   torch::autograd::impl::gradient_edge(x),
+                                   torch::autograd::impl::gradient_edge(y)};
+  auto send = std::make_shared<da::SendRpcBackward>(std::move(edges));
+  send->add_input_metadata(x);
+  send->add_input_metadata(x);
+  send->add_input_metadata(y);
+  const torch::autograd::edge_list roots{{send, 0}, {send, 1}, {send, 2}};
+  int sent = 0;
+  const auto no_send = [&](const da::RecvRpcBackward&, torch::autograd::variable_list, bool) {
+    ++sent;
+  };
+  dd::run_pass(ctx, 0, roots, {at::full({2, 2}, 2.0), at::full({2, 2}, 3.0), at::full({3}, 1.5f)},
+               false, no_send);
+  auto grads = ctx->get_gradients();
+  CHECK(grads.size() == 2);
+  CHECK(same(grads.at(x), at::full({2, 2}, 5.0)));
+  CHECK((grads.at(y).scalar_type() == at::kDouble));  // float gradients for a double tensor
+  CHECK(same(grads.at(y), at::full({3}, 1.5, at::kDouble)));
+  CHECK(sent == 0);
+  // A peer sending a gradient of another shape is refused with the shapes named.
+  CHECK(error_of([&] {
+          dd::run_pass(ctx, 0, roots, {at::ones({2, 2}), at::ones({4}), at::ones({3})}, false,
+                       no_send);
+        }) ==
+        "Error on Node 0: Function torch::distributed::autograd::SendRpcBackward returned "
+        "an invalid gradient at index 1 "
+        "- got [4] but expected shape compatible with [2, 2]");
+  CHECK(same(ctx->get_gradients().at(x), at::full({2, 2}, 5.0)));  // nothing accumulated
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: gradients coming back to the caller run on the thread waiting in backward() "
+    "(its hooks see that thread), with the values of a local pass, on every transport",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    const auto caller = std::this_thread::get_id();
+    int on_caller = 0;
+    int hook_calls = 0;
+    for (int i = 0; i < 50; ++i) {
+      da::Context c;
+      at::Tensor x = torch::ones({2, 2}, torch::requires_grad());
+      std::thread::id ran;
+      x.register_hook([&](at::Tensor g) {
+        ran = std::this_thread::get_id();
+        ++hook_calls;
+        return g;
+      });
+      // x twice in one call and once in another: d/dx of (x + x) * x = 4x.
+      auto a = distrpc::rpc_sync<&ag_test::add>("worker1", x, x);
+      auto b = distrpc::rpc_sync<&ag_test::mul>("worker1", a, x);
+      da::backward(c.id(), {b.sum()});
+      CHECK(same(grad_of(c.id(), x), at::full({2, 2}, 4.0)));
+      if (ran == caller) ++on_caller;
+    }
+    // Two passes reach x per step (one per call). Reading its own replies, the caller runs
+    // them itself; one that arrives after it stopped reading goes to a pool thread, and on tcp
+    // one that a reading thread (woken by the kernel) reads first too.
+    CHECK(hook_calls == 100);
+    MESSAGE("passes run on the caller's thread in " << on_caller << " of 50 steps");
+    const char* transport = std::getenv("DISTRPC_TEST_TRANSPORT");
+    if (transport != nullptr && std::string(transport) != "tcp") CHECK(on_caller >= 1);
+  }
+  distrpc::shutdown();
 }
 
 // ---- §1.3 cleanup on a faulty network ----------------------------------------------------------

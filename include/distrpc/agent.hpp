@@ -454,6 +454,12 @@ class RpcAgent : public AgentServices,
     return calls_.after(delay, std::move(fn));
   }
   std::weak_ptr<detail::WaitDriver> host_wait_driver() override { return weak_from_this(); }
+  void host_drive(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
+    if (options_.sync_wait_spin.count() <= 0 || done()) return;
+    if (transport::on_transport_thread()) return;
+    transport_drive(done, until);
+  }
   CallAttachments host_attach(int dst) override { return attach(dst); }
   std::shared_ptr<void> host_enter_request(int peer, const CallAttachments& got) override {
     return std::make_shared<LayerScopes>(*this, peer, got);

@@ -57,6 +57,12 @@ class AgentServices {
   virtual detail::ExecutorFn host_user_executor() = 0;
   // Drives the futures handed to the user while they are waited on (detail::set_wait_driver).
   virtual std::weak_ptr<detail::WaitDriver> host_wait_driver() = 0;
+  // Reads the transport on this thread until `done()` or `until`, where the policy can, for a
+  // layer waiting for a known short exchange of several messages (a backward pass): unlike the
+  // wait driver, not bounded by sync_wait_spin. Returns at once when the user turned reading
+  // while waiting off (sync_wait_spin 0) or on a transport thread.
+  virtual void host_drive(const std::function<bool()>& done,
+                          std::chrono::steady_clock::time_point until) = 0;
 
   // For a layer whose own control messages carry a call (RRefs' fetch): the layers' attachments
   // for a call to `dst` made on this thread (AgentExtension::attach); the scopes of the layers

@@ -118,6 +118,9 @@ class AutogradLayer final : public AgentExtension,
   static constexpr std::chrono::milliseconds kCleanupBackoff{100};
   // Releases wait at most this long to go out together (send_cleanup).
   static constexpr std::chrono::milliseconds kCleanupBatchDelay{5};
+  // backward() reads the transport itself for this long before it sleeps (a short step's
+  // passes elsewhere answer well within it; a long one costs this much spinning once).
+  static constexpr std::chrono::milliseconds kBackwardDrive{2};
 
   explicit AutogradLayer(AgentServices& host) : host_(host) {}
 
@@ -191,8 +194,13 @@ class AutogradLayer final : public AgentExtension,
     }
     Future<void> done = tracker->done();
     try {
-      // Waiting, this thread reads the transport itself (as a blocking rpc_sync does): the last
-      // report then wakes no other thread.
+      // Waiting, this thread reads the transport itself: for up to kBackwardDrive (the passes it
+      // started answer within a few messages), then as a blocking rpc_sync does. The last report
+      // then wakes no other thread, and gradients coming back for this worker run their pass on
+      // this thread (receive_gradients) instead of waking a pool thread.
+      WaitingScope waiting(origin.backward_id);
+      host_.host_drive([&done] { return done.done(); },
+                       std::chrono::steady_clock::now() + kBackwardDrive);
       distrpc::detail::set_wait_driver(done, host_.host_wait_driver());
       done.wait();
       done.value();
@@ -387,6 +395,21 @@ class AutogradLayer final : public AgentExtension,
     wire::TensorObserver* const saved_observer_;
     RequestScope* const saved_scope_;
     bool decoding_ = true;
+  };
+
+  // The backward this thread waits for in backward(), while it does (receive_gradients).
+  static inline thread_local std::int64_t tls_waiting_backward = -1;
+  class WaitingScope {
+   public:
+    explicit WaitingScope(std::int64_t id) : saved_(tls_waiting_backward) {
+      tls_waiting_backward = id;
+    }
+    ~WaitingScope() { tls_waiting_backward = saved_; }
+    WaitingScope(const WaitingScope&) = delete;
+    WaitingScope& operator=(const WaitingScope&) = delete;
+
+   private:
+    const std::int64_t saved_;
   };
 
   // Counts a pass in num_current_backward_passes while it lives.
@@ -607,8 +630,13 @@ class AutogradLayer final : public AgentExtension,
       self->report_to_root(origin, id, sent, "");
       out.try_set_value(distrpc::detail::empty_response());
     };
-    // Already on a pool thread: run here (one hand-off less). Never on a transport thread.
-    if (!transport::on_transport_thread()) {
+    // Already on a pool thread: run here (one hand-off less); so too on the thread reading while
+    // it waits in backward() for this very backward (the pass is what it waits for). Never on a
+    // transport thread, nor on a thread waiting for something else (the pass runs user code,
+    // which must not delay that wait or take the locks its caller holds).
+    const bool waiter_of_this =
+        origin.root == self_id() && tls_waiting_backward == origin.backward_id;
+    if (!transport::on_transport_thread() && (!transport::in_wait_driver() || waiter_of_this)) {
       task();
       return out;
     }

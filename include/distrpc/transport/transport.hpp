@@ -58,6 +58,7 @@ struct InlineTask;
 namespace detail {
 inline thread_local InlineTask* inline_slot = nullptr;  // the scope open on this thread, if any
 inline thread_local bool transport_thread = false;      // see mark_transport_thread()
+inline thread_local bool wait_driver_thread = false;    // see InlineTask::run_library_here()
 }  // namespace detail
 
 // ---- Leader/follower hand-off (optional for a policy) ---------------------------------------
@@ -94,6 +95,33 @@ struct InlineTask {
     for (auto& [f, fb] : first) run_one(f);
     first.clear();
     if (run) run_one(run);
+    run = nullptr;
+  }
+  // For a caller reading while it waits for its own reply (a policy's drive()): the library
+  // tasks run here, on the waiting thread (a control message it read then costs no pool thread's
+  // wake-up: with two cores, that wake-up was most of a distributed backward's step); the
+  // request goes to its fallback (a user's handler must not delay, or take the locks of, a
+  // thread that waits). in_wait_driver() is true inside, so a library task that would run
+  // user code can tell and queue it unless the waiter is waiting for exactly that.
+  void run_library_here() {
+    struct DriverScope {
+      bool was_transport = detail::transport_thread;
+      bool was_driver = detail::wait_driver_thread;
+      DriverScope() {
+        detail::transport_thread = false;
+        detail::wait_driver_thread = true;
+      }
+      ~DriverScope() {
+        detail::transport_thread = was_transport;
+        detail::wait_driver_thread = was_driver;
+      }
+    };
+    {
+      DriverScope driver;
+      for (auto& [f, fb] : first) run_one(f);
+      first.clear();
+    }
+    if (run) queue_one(std::move(run), fallback);
     run = nullptr;
   }
   // Passes everything to its fallback. A refusal means the receiver is shutting down: it would
@@ -133,6 +161,10 @@ inline void mark_transport_thread() {
 }
 inline bool on_transport_thread() {
   return detail::transport_thread || detail::inline_slot != nullptr;
+}
+// True inside a library task that a waiting caller runs for the transport (run_library_here()).
+inline bool in_wait_driver() {
+  return detail::wait_driver_thread;
 }
 
 // Receiver side, inside on_message: true when the task was taken (the transport will run or

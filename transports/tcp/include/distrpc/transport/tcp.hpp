@@ -991,7 +991,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (!stopping_.load()) lose(c, "cannot watch the socket again: " + errno_text(errno));
       return;
     }
-    if (run_inline) run_handed_back(inline_scope);
+    if (run_inline) {
+      run_handed_back(inline_scope);
+    } else {
+      inline_scope.take().run_library_here();  // a waiting caller (drive())
+    }
   }
 
  public:
@@ -999,7 +1003,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // is there, no reading thread has to wake up and hand it over (one kernel wake-up less per
   // small call: about a third of its latency on loopback). The one-shot registration gives a
   // ready connection to exactly one of the caller and the reading threads; a reading thread
-  // woken for it finds nothing and waits again. Requests read here go to the pool.
+  // woken for it finds nothing and waits again. Requests read here go to the pool; control
+  // messages run here (InlineTask::run_library_here()).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
            std::chrono::steady_clock::now() < until) {

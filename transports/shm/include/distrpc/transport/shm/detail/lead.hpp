@@ -290,7 +290,7 @@ inline InlineTask Impl::io_loop(bool woken) {
 
 // A caller waiting for a reply reads it itself while the lead is free (see above): then no I/O
 // thread wakes for it, and with two cores shared by two processes the spinning threads are
-// the two that matter. Requests read here go to the receiver's pool.
+// the two that matter. Requests read here go to the receiver's pool; control messages run here.
 inline void Impl::drive(const std::function<bool()>& done,
                         std::chrono::steady_clock::time_point until) {
   std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
@@ -303,8 +303,20 @@ inline void Impl::drive(const std::function<bool()>& done,
       }
       wake_rings();  // while this thread reads, writers need not signal
     }
-    InlineScope scope;  // a request read here is queued when the scope closes
-    if (!service_all(scope)) ::sched_yield();
+    InlineScope scope;
+    const bool progress = service_all(scope);
+    if (scope.holds_task()) {
+      // A control message runs here, the request goes to the pool
+      // (InlineTask::run_library_here()); the lead is let go first, as at the end below: the
+      // task may send, or wait and read through a nested drive().
+      InlineTask task = scope.take();
+      if (sleep_rings_or_ready()) leave_unattended();
+      lead.unlock();
+      settle(lead);
+      task.run_library_here();
+      continue;
+    }
+    if (!progress) ::sched_yield();
   }
   // Hand the lead back as found. Records that came meanwhile (a stream of replies) are left
   // unattended: this caller is likely back soon, and the watcher takes over if it is not.
