@@ -2,9 +2,10 @@
 # (apt-get, once), then configures and builds into ./build. cmake is for the CMake package's
 # consumer check (tests/consumer/check.sh); python3-torch is PyTorch's own TCPStore and torchrun,
 # which the interoperability tests run against; libgloo-dev is gloo's headers, for libtorch's
-# c10d::ProcessGroupGloo (meson's gloo_found, tests/test_dist_gloo.cpp in test_dist).
+# c10d::ProcessGroupGloo (meson's gloo_found, tests/test_dist_gloo.cpp in test_dist); libssl-dev
+# is OpenSSL's libcrypto (HMAC-SHA256 and nonces of the authenticated handshakes).
 distrpc_packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libasio-dev libcereal-dev
-                  doctest-dev python3-torch libgloo-dev)
+                  doctest-dev python3-torch libgloo-dev libssl-dev)
 
 distrpc_install_deps() {
   local missing=()

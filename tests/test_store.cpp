@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@
 
 #include "distrpc/log.hpp"
 #include "distrpc/store.hpp"
+#include "distrpc/wire/auth.hpp"
 #include "multiprocess.hpp"
 
 namespace ds = distrpc::store;
@@ -1477,4 +1479,278 @@ TEST_CASE("TCPStore: a PyTorch 2.x client that puts the magic number before ever
   raw.send(std::vector<std::uint8_t>{7, 0, 0, 0});
   CHECK(raw.closed_by_peer());
   CHECK(count_of(log.text(), "a request without the magic number prefix") == 1);
+}
+
+// ---- authentication (docs/security.md) -----------------------------------------------------
+
+namespace {
+
+constexpr const char* kSecret = "correct horse battery staple";
+
+ds::TCPStoreOptions auth_options(int port, bool master, const std::string& secret) {
+  ds::TCPStoreOptions o;
+  o.port = port;
+  o.is_master = master;
+  o.timeout = 5s;
+  o.auth_secret = secret;
+  return o;
+}
+
+// Every diagnostic written while alive (a user sink: whatever the default routing is).
+class LogLines {
+ public:
+  LogLines() {
+    distrpc::set_log_sink([this](distrpc::LogLevel, std::string_view who, std::string_view text) {
+      std::lock_guard<std::mutex> lk(mu_);
+      lines_.push_back(std::string(who) + ": " + std::string(text));
+    });
+  }
+  ~LogLines() { distrpc::set_log_sink(nullptr); }
+  // Waits up to 2 s for a line containing `part`; returns it ("" if none came).
+  std::string wait_for(const std::string& part) {
+    const auto t0 = Clock::now();
+    while (since(t0) < 2s) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (const auto& l : lines_) {
+          if (contains(l, part)) return l;
+        }
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return "";
+  }
+  std::string all() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string out;
+    for (const auto& l : lines_) out += l + "\n";
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+// A client's challenge as tcp_store_protocol.hpp describes it: 0xa7, u32 "AUTH", its nonce.
+std::vector<std::uint8_t> store_challenge(const distrpc::wire::auth::Nonce& nonce) {
+  std::vector<std::uint8_t> out{0xa7, 0x41, 0x55, 0x54, 0x48};
+  out.insert(out.end(), nonce.begin(), nonce.end());
+  return out;
+}
+
+// The process environment's secret variables, cleared while alive and restored after.
+class NoSecretEnv {
+ public:
+  NoSecretEnv() {
+    for (const char* v : {distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv}) {
+      if (const char* s = std::getenv(v)) saved_.emplace_back(v, s);
+      ::unsetenv(v);
+    }
+  }
+  ~NoSecretEnv() {
+    for (const char* v : {distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv}) {
+      ::unsetenv(v);
+    }
+    for (const auto& [k, v] : saved_) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> saved_;
+};
+
+}  // namespace
+
+TEST_CASE("TCPStore auth: the right secret connects, a wrong or missing one is refused") {
+  NoSecretEnv env;
+  LogLines log;
+  ds::TCPStore master(auth_options(0, true, kSecret));
+  const int port = master.port();
+  const std::string where = "127.0.0.1:" + std::to_string(port);
+  ds::TCPStore good(auth_options(port, false, kSecret));
+  good.set("k", "v");
+  CHECK(master.get_string("k") == "v");
+
+  SUBCASE("a wrong secret") {
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore bad(auth_options(port, false, "guess")); });
+    CHECK(text == "TCPStore: authentication with the server at " + where +
+                      " failed: it answered our challenge with a wrong proof (a different shared "
+                      "secret, or a replayed answer)");
+  }
+  SUBCASE("no secret: the server drops it before serving anything") {
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore bad(auth_options(port, false, "")); });
+    CHECK(text == "TCPStore: the connection to the server at " + where +
+                      " was lost during the first request: the server closed the connection (a "
+                      "server with a shared secret refuses a client without one: see the "
+                      "server's log)");
+    const std::string line = log.wait_for("without authenticating");
+    CHECK(contains(line, "closing the connection from 127.0.0.1:"));
+    CHECK(contains(line,
+                   "authentication failed: the client sent query type 0x04 without "
+                   "authenticating (it has no shared secret configured, and this server "
+                   "requires one)"));
+    // A raw client that writes without authenticating changes nothing.
+    RawSocket raw(port);
+    std::vector<std::uint8_t> set{kQSet};
+    append(set, str_field("/k"));
+    append(set, str_field("overwritten"));
+    raw.send(set);
+    CHECK(raw.closed_by_peer());
+    CHECK(master.get_string("k") == "v");
+  }
+  SUBCASE("a secret on the client only") {
+    ds::TCPStore open_master("127.0.0.1", 0, -1, true, 5s);
+    const std::string open_where = "127.0.0.1:" + std::to_string(open_master.port());
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore bad(auth_options(open_master.port(), false, kSecret)); });
+    CHECK(text == "TCPStore: authentication with the server at " + open_where +
+                      " failed: it has no shared secret configured, and this client has one");
+  }
+  CHECK(good.get_string("k") == "v");  // the good client is unaffected throughout
+  CHECK_FALSE(contains(log.all(), kSecret));
+}
+
+TEST_CASE("TCPStore auth: an answer replayed on a new connection is refused") {
+  NoSecretEnv env;
+  LogLines log;
+  namespace auth = distrpc::wire::auth;
+  ds::TCPStore master(auth_options(0, true, kSecret));
+  master.set("k", "v");
+  const auth::Party client{"TCPStore client", -1}, server{"TCPStore server", -1};
+  const auth::Nonce nonce = auth::make_nonce();
+
+  // A first connection, authenticated properly: its answer is recorded.
+  RawSocket first(master.port());
+  first.send(store_challenge(nonce));
+  auto challenge = first.reply(1 + 32 + 32);
+  REQUIRE(challenge);
+  REQUIRE((*challenge)[0] == 1);
+  auth::Nonce server_nonce{};
+  std::memcpy(server_nonce.data(), challenge->data() + 1, 32);
+  const auth::Proof recorded =
+      auth::compute_proof(kSecret, auth::Prover::kDialler, nonce, server_nonce, client, server);
+  first.send(std::vector<std::uint8_t>(recorded.begin(), recorded.end()));
+  auto accepted = first.reply(1);
+  REQUIRE(accepted);
+  CHECK((*accepted)[0] == 1);
+  std::vector<std::uint8_t> check{kQCheck};
+  append(check, le64(0));
+  first.send(check);
+  auto ready = first.reply(1);
+  REQUIRE(ready);
+  CHECK((*ready)[0] == 0);  // served once authenticated
+
+  // The same challenge and the recorded answer on a second connection: the server's nonce is new.
+  RawSocket second(master.port());
+  second.send(store_challenge(nonce));
+  auto challenge2 = second.reply(1 + 32 + 32);
+  REQUIRE(challenge2);
+  CHECK(std::memcmp(challenge2->data() + 1, server_nonce.data(), 32) != 0);
+  second.send(std::vector<std::uint8_t>(recorded.begin(), recorded.end()));
+  CHECK(second.closed_by_peer());
+  CHECK(contains(log.wait_for("wrong proof"),
+                 "authentication failed: the client answered our challenge with a wrong proof (a "
+                 "different shared secret, or a replayed answer)"));
+  CHECK_FALSE(contains(log.all(), kSecret));
+}
+
+TEST_CASE("TCPStore auth: the secret never travels; a server without it is found out") {
+  NoSecretEnv env;
+  // A raw socket acting as the server: it records what the client sends and answers the
+  // challenge with a made-up proof.
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(lfd, 4) == 0);
+  socklen_t len = sizeof a;
+  REQUIRE(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const int port = ntohs(a.sin_port);
+  std::string received;
+  Async fake([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    char buf[4096];
+    while (received.size() < 37) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      received.append(buf, static_cast<std::size_t>(n));
+    }
+    std::string reply(1 + 32 + 32, '\x11');
+    reply[0] = 1;
+    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    for (;;) {  // whatever else comes, until the client hangs up
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      received.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+  });
+  const auto text = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore client(auth_options(port, false, kSecret)); });
+  fake.join();
+  ::close(lfd);
+  CHECK(text == "TCPStore: authentication with the server at 127.0.0.1:" + std::to_string(port) +
+                    " failed: it answered our challenge with a wrong proof (a different shared "
+                    "secret, or a replayed answer)");
+  CHECK(received.size() == 37);  // the challenge only: no answer to a server that failed its own
+  CHECK(static_cast<std::uint8_t>(received[0]) == 0xa7);
+  CHECK(received.find(kSecret) == std::string::npos);
+  CHECK_FALSE(contains(text, kSecret));
+}
+
+TEST_CASE("auth: the secret comes from the option, else a file, else the environment") {
+  NoSecretEnv env;
+  namespace auth = distrpc::wire::auth;
+  TempDir dir;
+  const std::string file = dir.file("secret");
+  {
+    std::ofstream out(file);
+    out << "from-file\n";
+  }
+  ::chmod(file.c_str(), 0600);
+  const std::string env_file = dir.file("env-secret");
+  {
+    std::ofstream out(env_file);
+    out << "from-env-file";
+  }
+  ::chmod(env_file.c_str(), 0400);
+
+  CHECK_FALSE(auth::resolve_secret("", "").has_value());
+  ::setenv(auth::kSecretEnv, "from-env", 1);
+  CHECK(auth::resolve_secret("", "") == std::optional<std::string>("from-env"));
+  ::setenv(auth::kSecretFileEnv, env_file.c_str(), 1);
+  CHECK(auth::resolve_secret("", "") == std::optional<std::string>("from-env-file"));
+  CHECK(auth::resolve_secret("", file) == std::optional<std::string>("from-file"));  // newline cut
+  CHECK(auth::resolve_secret("from-option", file) == std::optional<std::string>("from-option"));
+
+  ::chmod(file.c_str(), 0644);
+  CHECK(thrown_text<distrpc::DistError>([&] { auth::resolve_secret("", file); }) ==
+        "authentication: the secret file '" + file +
+            "' (from the options) has mode 0644, open to group or others: make it private "
+            "(chmod 600)");
+  {
+    std::ofstream out(file, std::ios::trunc);
+    out << "\n";
+  }
+  ::chmod(file.c_str(), 0600);
+  CHECK(thrown_text<distrpc::DistError>([&] { auth::resolve_secret("", file); }) ==
+        "authentication: the secret file '" + file + "' (from the options) is empty");
+  const std::string missing = dir.file("missing");
+  CHECK(thrown_text<distrpc::DistError>([&] { auth::resolve_secret("", missing); }) ==
+        "authentication: cannot read the secret file '" + missing +
+            "' (from the options): No such file or directory");
+
+  // A store takes its secret the same way: here from the environment on both sides.
+  ::unsetenv(auth::kSecretFileEnv);
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 5s);
+  ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
+  client.set("k", "v");
+  CHECK(master.get_string("k") == "v");
+  ::unsetenv(auth::kSecretEnv);
+  const auto text = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore bare("127.0.0.1", master.port(), -1, false, 5s); });
+  CHECK(contains(text, "a server with a shared secret refuses a client without one"));
 }

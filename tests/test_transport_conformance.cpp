@@ -371,8 +371,8 @@ void nothing_listens_scenario() {
   CHECK(a.inbox.lost_count() == 0);
 }
 
-// An unknown peer, a wrong token, and an address that leads to another worker are refused with
-// texts naming them; the good peer keeps working and is never reported lost.
+// An unknown peer, a wrong or missing secret, and an address that leads to another worker are
+// refused with texts naming them; the good peer keeps working and is never reported lost.
 template <class P>
 void refused_identities_scenario() {
   const std::string token = "s3cret";
@@ -381,7 +381,9 @@ void refused_identities_scenario() {
   check_still_works(a, b, 1);
   CHECK_THROWS_WITH_AS(a.ctx->send(5, make_message(MessageType::Request, 1, "x")),
                        doctest::Contains("worker 5"), DistNetworkError);
+  LogLines log;
   {
+    // A wrong secret: the dialler finds a's proof wrong (a proves first) and gives up.
     NodeOf<P> intruder(options_for(7, "guess"));
     intruder.ctx->add_peer(0, "w0", a.ctx->address());
     std::string text;
@@ -390,7 +392,47 @@ void refused_identities_scenario() {
     } catch (const DistNetworkError& e) {
       text = e.what();
     }
+    CHECK(contains(text, "handshake with worker 0 ('w0')"));
+    CHECK(contains(text,
+                   " failed: authentication failed: worker 'w0' (id 0) answered our "
+                   "challenge with a wrong proof (a different shared secret, or a replayed "
+                   "answer)"));
+    CHECK_FALSE(contains(text, "guess"));
+    CHECK_FALSE(contains(text, token));
+  }
+  {
+    // No secret: a refuses it before anything else, and says why in its log.
+    NodeOf<P> bare(options_for(8, ""));
+    bare.ctx->add_peer(0, "w0", a.ctx->address());
+    std::string text;
+    try {
+      bare.ctx->send(0, make_message(MessageType::Request, 1, "let me in"));
+    } catch (const DistNetworkError& e) {
+      text = e.what();
+    }
     CHECK(contains(text, "refused our handshake"));
+    const std::string line = log.wait_for("worker 'w8'");
+    CHECK(contains(line, "dropping connection from "));
+    CHECK(contains(line,
+                   ": bad handshake: authentication failed: worker 'w8' (id 8) has no "
+                   "shared secret configured, and this worker requires one"));
+  }
+  {
+    // A secret on the dialler only: refused the same way.
+    NodeOf<P> open(options_for(0, ""));
+    NodeOf<P> keyed(options_for(9, token));
+    keyed.ctx->add_peer(0, "w0", open.ctx->address());
+    std::string text;
+    try {
+      keyed.ctx->send(0, make_message(MessageType::Request, 1, "hello"));
+    } catch (const DistNetworkError& e) {
+      text = e.what();
+    }
+    CHECK(contains(text, "refused our handshake"));
+    CHECK(contains(log.wait_for("worker 'w9'"),
+                   "authentication failed: worker 'w9' (id 9) has a shared secret configured, "
+                   "and this worker has none"));
+    CHECK(open.inbox.message_count() == 0);
   }
   {
     // Worker 2's address points at a worker 1 (not the one a works with: on Tcp the dialler's
@@ -415,6 +457,7 @@ void refused_identities_scenario() {
     std::lock_guard<std::mutex> lk(n->inbox.mu);
     CHECK(n->inbox.lost.empty());  // neither good peer was reported lost
   }
+  CHECK_FALSE(contains(log.all(), token));  // no diagnostic holds the secret
 }
 
 template <class P>
@@ -734,7 +777,7 @@ DISTRPC_CONFORMANCE("a peer that reached us is answered only once add_peer() nam
 DISTRPC_CONFORMANCE(
     "connecting where nothing listens fails within connect_timeout, naming the peer",
     nothing_listens_scenario)
-DISTRPC_CONFORMANCE("an unknown peer, a wrong token and another identity are refused",
+DISTRPC_CONFORMANCE("an unknown peer, a wrong or missing secret and another identity are refused",
                     refused_identities_scenario)
 DISTRPC_CONFORMANCE("a destroyed peer context is reported lost within 2 s, once",
                     destroyed_peer_scenario)

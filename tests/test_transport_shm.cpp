@@ -252,7 +252,7 @@ TEST_CASE("shm: tensors the receiver holds keep their bytes while the sender goe
   CHECK(same_bytes(keep.buffers.at(0), pattern_bytes(2 << 20, 3000)));
 }
 
-// Tokens and identities are refused in the conformance suite; here: a raw client on the
+// Secrets and identities are refused in the conformance suite; here: a raw client on the
 // SOCK_SEQPACKET listener sending garbage instead of a Hello.
 TEST_CASE("shm: garbage instead of a handshake is refused; the listener lives on") {
   Node a(options_for(0, "s3cret")), b(options_for(1, "s3cret"));
@@ -277,6 +277,73 @@ TEST_CASE("shm: garbage instead of a handshake is refused; the listener lives on
   check_still_works(a, b, 2);
   std::lock_guard<std::mutex> lk(a.inbox.mu);
   for (auto& [peer, reason] : a.inbox.lost) CHECK(peer != 1);
+}
+
+// The challenge-response by hand on the SOCK_SEQPACKET listener: an answer recorded on one
+// connection is refused on the next (the acceptor's nonce is new), with the reason logged.
+TEST_CASE("shm: an answer replayed on a new connection is refused") {
+  namespace auth = distrpc::wire::auth;
+  namespace sd = distrpc::transport::shm::detail;
+  const std::string token = "s3cret";
+  LogLines log;
+  Node a(options_for(0, token));
+  const auth::Nonce nonce = auth::make_nonce();
+  const auto raw_connect = [&] {
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_un sa;
+    const socklen_t len = sd::abstract_sockaddr(a.ctx->address(), sa);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) == 0);
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+  };
+  const auto raw_send = [](int fd, const std::string& packet) {
+    REQUIRE(::send(fd, packet.data(), packet.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(packet.size()));
+  };
+  // Sends worker 7's Hello with `nonce`, reads the acceptor's; returns the right answer to it.
+  const auto challenge = [&](int fd, distrpc::wire::Hello& reply) {
+    distrpc::wire::Hello h;
+    h.worker_name = "w7";
+    h.worker_id = 7;
+    h.nonce = nonce;
+    raw_send(fd, sd::hello_packet(h));
+    std::string buf(sd::kMaxHelloFrameBytes, '\0');
+    const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);  // its eventfd is dropped
+    REQUIRE(n > 0);
+    buf.resize(static_cast<std::size_t>(n));
+    reply = sd::parse_hello_packet(buf);
+    REQUIRE(reply.nonce.has_value());
+    REQUIRE(reply.proof.has_value());
+    return auth::compute_proof(token, auth::Prover::kDialler, nonce, *reply.nonce, {"w7", 7},
+                               {reply.worker_name, reply.worker_id});
+  };
+  // The first connection answers right: the acceptor goes on to wait for the ring, and says so
+  // about the bad setup packet that follows.
+  const int first = raw_connect();
+  distrpc::wire::Hello reply1;
+  const auth::Proof recorded = challenge(first, reply1);
+  raw_send(first, sd::auth_answer_packet(recorded));
+  raw_send(first, "not a setup packet");
+  CHECK(contains(log.wait_for("setup packet"),
+                 "bad handshake: the setup packet has 18 bytes (expected 16)"));
+  ::close(first);
+  // The second replays that answer: a new nonce came back, so it is wrong here.
+  const int second = raw_connect();
+  distrpc::wire::Hello reply2;
+  challenge(second, reply2);
+  CHECK(*reply2.nonce != *reply1.nonce);
+  raw_send(second, sd::auth_answer_packet(recorded));
+  char c;
+  CHECK(::recv(second, &c, 1, 0) == 0);  // closed without a reply
+  ::close(second);
+  CHECK(contains(log.wait_for("wrong proof"),
+                 "bad handshake: authentication failed: worker 'w7' (id 7) answered our "
+                 "challenge with a wrong proof (a different shared secret, or a replayed "
+                 "answer)"));
+  CHECK_FALSE(contains(log.all(), token));
+  CHECK(a.inbox.lost_count() == 0);  // neither ever became a peer
 }
 
 TEST_CASE("shm: a corrupted ring header drops the connection with a reason; the process lives") {

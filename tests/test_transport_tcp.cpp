@@ -66,13 +66,15 @@ std::string frame_bytes(const Message& m) {
   return out;
 }
 
-std::string hello_frame(int id, const std::string& name, const std::string& token,
+// A dialler's Hello: with a challenge nonce when `nonce` is given (the dialler has a secret).
+std::string hello_frame(int id, const std::string& name,
+                        std::optional<distrpc::wire::auth::Nonce> nonce,
                         std::uint32_t version = distrpc::wire::kProtocolVersion) {
   distrpc::wire::Hello h;
   h.protocol_version = version;
   h.worker_name = name;
   h.worker_id = id;
-  if (!token.empty()) h.auth_token = token;
+  h.nonce = nonce;
   return frame_bytes(distrpc::wire::encode_hello(h));
 }
 
@@ -94,6 +96,22 @@ bool raw_read_hello(int fd, distrpc::wire::Hello& out) {
   }
   out = distrpc::wire::decode_hello(m);
   return true;
+}
+
+// The first two frames of an authenticated handshake, by hand, as worker `id` with `secret`:
+// sends the Hello with `nonce`, reads the acceptor's, and returns the answer the dialler would send
+// (computed with `secret`; not sent). The acceptor's Hello goes to `reply`.
+distrpc::wire::auth::Proof raw_challenge(int fd, int id, const std::string& name,
+                                         const std::string& secret,
+                                         const distrpc::wire::auth::Nonce& nonce,
+                                         distrpc::wire::Hello& reply) {
+  namespace auth = distrpc::wire::auth;
+  raw_write(fd, hello_frame(id, name, nonce));
+  REQUIRE(raw_read_hello(fd, reply));
+  REQUIRE(reply.nonce.has_value());
+  REQUIRE(reply.proof.has_value());
+  return auth::compute_proof(secret, auth::Prover::kDialler, nonce, *reply.nonce, {name, id},
+                             {reply.worker_name, reply.worker_id});
 }
 
 // True when the other end closed the connection (EOF, or a reset when it closed with unread
@@ -139,15 +157,20 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
   check_still_works(a, b, 1);
   const std::string addr = a.ctx->address();
 
+  LogLines log;
+  const std::string wrong_proof =
+      "bad handshake: authentication failed: worker 'w7' (id 7) answered our challenge with a "
+      "wrong proof (a different shared secret, or a replayed answer)";
   // A raw client that completes a valid handshake as worker 7, then misbehaves.
+  const auto nonce = distrpc::wire::auth::make_nonce();
   const auto handshaken = [&] {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(7, "w7", token));
     distrpc::wire::Hello reply;
-    REQUIRE(raw_read_hello(fd, reply));
+    const auto answer = raw_challenge(fd, 7, "w7", token, nonce, reply);
     CHECK(reply.worker_id == 0);
     CHECK(reply.worker_name == "w0");
-    return fd;
+    raw_write(fd, frame_bytes(distrpc::wire::encode_auth_answer(answer)));
+    return std::make_pair(fd, answer);
   };
 
   SUBCASE("garbage instead of a handshake") {
@@ -159,36 +182,75 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
   }
   SUBCASE("a handshake of another protocol version") {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(7, "w7", token, 999));
+    raw_write(fd, hello_frame(7, "w7", nonce, 3));
     CHECK(closed_by_server(fd));  // no Hello back: the connection just ends
     ::close(fd);
+    CHECK(contains(log.wait_for("protocol version"),
+                   "bad handshake: peer speaks distrpc protocol version 3 but this build speaks "
+                   "version 4"));
   }
-  SUBCASE("a wrong auth token") {
+  SUBCASE("a wrong secret") {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(7, "w7", "guess"));
+    distrpc::wire::Hello reply;
+    const auto answer = raw_challenge(fd, 7, "w7", "guess", nonce, reply);
+    raw_write(fd, frame_bytes(distrpc::wire::encode_auth_answer(answer)));
     CHECK(closed_by_server(fd));
     ::close(fd);
+    CHECK(contains(log.wait_for("wrong proof"), wrong_proof));
   }
-  SUBCASE("no auth token") {
+  SUBCASE("no secret") {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(7, "w7", ""));
+    raw_write(fd, hello_frame(7, "w7", std::nullopt));
     CHECK(closed_by_server(fd));
     ::close(fd);
+    CHECK(contains(log.wait_for("w7"),
+                   "bad handshake: authentication failed: worker 'w7' (id 7) has no shared secret "
+                   "configured, and this worker requires one"));
+  }
+  SUBCASE("no answer after the challenge") {
+    const int fd = raw_connect(addr);
+    distrpc::wire::Hello reply;
+    raw_challenge(fd, 7, "w7", token, nonce, reply);
+    raw_write(fd, frame_bytes(make_message(MessageType::Request, 5, "skip the proof")));
+    CHECK(closed_by_server(fd));
+    ::close(fd);
+    CHECK(contains(log.wait_for("w7"), "did not answer our challenge with a proof"));
+    CHECK(a.inbox.message_count() == 1);  // nothing of it was delivered
+  }
+  SUBCASE("an answer replayed on a new connection") {
+    // A first connection authenticates properly; its answer is recorded.
+    const auto [first, recorded] = handshaken();
+    raw_write(first, frame_bytes(make_message(MessageType::Request, 70, "first")));
+    REQUIRE(a.inbox.wait_messages(2));
+    // The same challenge on a second connection: a new nonce comes back, the old answer fails.
+    const int fd = raw_connect(addr);
+    distrpc::wire::Hello reply;
+    const auto fresh = raw_challenge(fd, 7, "w7", token, nonce, reply);
+    CHECK_FALSE(distrpc::wire::auth::same_proof(fresh, recorded));
+    raw_write(fd, frame_bytes(distrpc::wire::encode_auth_answer(recorded)));
+    raw_write(fd, frame_bytes(make_message(MessageType::Request, 71, "replayed")));
+    CHECK(closed_by_server(fd));
+    ::close(fd);
+    ::close(first);
+    CHECK(contains(log.wait_for("wrong proof"), wrong_proof));
+    REQUIRE(a.inbox.wait_lost(1, 2s));  // the first connection's hang-up
+    std::lock_guard<std::mutex> lk(a.inbox.mu);
+    CHECK(a.inbox.messages.size() == 2);  // "replayed" never arrived
   }
   SUBCASE("an identity that contradicts add_peer") {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(1, "impostor", token));  // worker 1 is 'w1'
+    raw_write(fd, hello_frame(1, "impostor", nonce));  // worker 1 is 'w1'
     CHECK(closed_by_server(fd));
     ::close(fd);
   }
   SUBCASE("a negative worker id") {
     const int fd = raw_connect(addr);
-    raw_write(fd, hello_frame(-4, "w-4", token));
+    raw_write(fd, hello_frame(-4, "w-4", nonce));
     CHECK(closed_by_server(fd));
     ::close(fd);
   }
   SUBCASE("garbage after the handshake") {
-    const int fd = handshaken();
+    const int fd = handshaken().first;
     raw_write(fd, std::string(64, '\x5a'));
     CHECK(closed_by_server(fd));
     ::close(fd);
@@ -197,7 +259,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     CHECK(contains(a.inbox.lost[0].second, "magic"));
   }
   SUBCASE("a truncated frame, then close") {
-    const int fd = handshaken();
+    const int fd = handshaken().first;
     const std::string frame =
         frame_bytes(make_message(MessageType::Request, 5, std::string(1000, 'p')));
     raw_write(fd, frame.substr(0, 600));
@@ -210,7 +272,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     CHECK(a.inbox.message_count() == 1);  // only the first still-alive message
   }
   SUBCASE("an absurd length") {
-    const int fd = handshaken();
+    const int fd = handshaken().first;
     std::string header =
         distrpc::wire::encode_frame_header(make_message(MessageType::Request, 5, ""));
     distrpc::wire::detail::put_le<std::uint64_t>(header.data() + 16, std::uint64_t{1} << 62);
@@ -221,7 +283,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     CHECK(contains(a.inbox.lost[0].second, "exceeds limit"));
   }
   SUBCASE("an unknown message type") {
-    const int fd = handshaken();
+    const int fd = handshaken().first;
     std::string header =
         distrpc::wire::encode_frame_header(make_message(MessageType::Request, 5, ""));
     header[6] = static_cast<char>(200);
@@ -232,8 +294,8 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     CHECK(contains(a.inbox.lost[0].second, "type 200"));
   }
   SUBCASE("a second handshake on an established connection") {
-    const int fd = handshaken();
-    raw_write(fd, hello_frame(7, "w7", token));
+    const int fd = handshaken().first;
+    raw_write(fd, hello_frame(7, "w7", nonce));
     CHECK(closed_by_server(fd));
     ::close(fd);
     REQUIRE(a.inbox.wait_lost(1, 2s));
@@ -241,7 +303,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
   }
   SUBCASE("a valid frame from a raw peer is delivered") {
     // The positive control for the cases above: the raw client itself is not the problem.
-    const int fd = handshaken();
+    const int fd = handshaken().first;
     raw_write(fd, frame_bytes(make_message(MessageType::Request, 77, "raw but valid")));
     REQUIRE(a.inbox.wait_messages(2));
     {
@@ -252,7 +314,81 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     ::close(fd);
   }
   check_still_works(a, b, 2);
+  CHECK_FALSE(contains(log.all(), token));  // no diagnostic holds the secret
   // The bad peer is not the good one: worker 1 was never reported lost.
   std::lock_guard<std::mutex> lk(a.inbox.mu);
   for (auto& [peer, reason] : a.inbox.lost) CHECK(peer != 1);
+}
+
+TEST_CASE("tcp: the secret never travels; an acceptor replaying a recorded proof is found out") {
+  namespace auth = distrpc::wire::auth;
+  const std::string token = "correct horse battery staple";
+  // A genuine worker 0 answers one raw challenge: its reply (nonce and proof) is recorded.
+  Node a(options_for(0, token));
+  distrpc::wire::Hello recorded;
+  {
+    const int fd = raw_connect(a.ctx->address());
+    raw_challenge(fd, 1, "w1", token, auth::make_nonce(), recorded);
+    ::close(fd);
+  }
+  // A raw socket posing as worker 0: it records every byte worker 1 sends and plays it the
+  // recorded reply, which was made for another nonce.
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(::listen(lfd, 4) == 0);
+  socklen_t len = sizeof sa;
+  REQUIRE(::getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  const std::string fake_addr = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  std::string received;
+  std::thread fake([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[4096];
+    // The dialler's Hello: a frame header and its payload.
+    std::size_t want = distrpc::wire::kFrameFixedBytes;
+    while (received.size() < want) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      received.append(buf, static_cast<std::size_t>(n));
+      if (want == distrpc::wire::kFrameFixedBytes && received.size() >= want) {
+        want += distrpc::wire::decode_frame_header(received.substr(0, want)).payload_bytes;
+      }
+    }
+    const std::string reply = frame_bytes(distrpc::wire::encode_hello(recorded));
+    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    for (;;) {  // whatever else comes, until the dialler hangs up
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      received.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+  });
+  std::string text;
+  {
+    Node b(options_for(1, token));
+    b.ctx->add_peer(0, "w0", fake_addr);
+    try {
+      b.ctx->send(0, make_message(MessageType::Request, 1, "for w0"));
+    } catch (const DistNetworkError& e) {
+      text = e.what();
+    }
+  }
+  fake.join();
+  ::close(lfd);
+  CHECK(text == "distrpc tcp: handshake with worker 0 ('w0') at " + fake_addr +
+                    " failed: authentication failed: worker 'w0' (id 0) answered our challenge "
+                    "with a wrong proof (a different shared secret, or a replayed answer)");
+  // Worker 1 sent its Hello (its nonce) and nothing more: no answer to a failed acceptor, and
+  // the secret is nowhere in what it sent.
+  REQUIRE(received.size() > distrpc::wire::kFrameFixedBytes);
+  const auto header =
+      distrpc::wire::decode_frame_header(received.substr(0, distrpc::wire::kFrameFixedBytes));
+  CHECK(received.size() == distrpc::wire::kFrameFixedBytes + header.payload_bytes);
+  CHECK(received.find(token) == std::string::npos);
+  CHECK_FALSE(contains(text, token));
 }

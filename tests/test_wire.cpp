@@ -546,36 +546,51 @@ TEST_CASE("wire: frame limits and malformed headers are protocol errors naming t
               "buffer 0 is not a 1-D contiguous kByte CPU tensor");
 }
 
-TEST_CASE("wire: handshake carries name, id, version and an optional token") {
+TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, never a secret") {
+  namespace auth = wire::auth;
   wire::Hello hello;
   hello.worker_name = "worker3";
   hello.worker_id = 3;
-  hello.auth_token = "s3cret";
+  hello.nonce = auth::make_nonce();
+  hello.proof = auth::compute_proof("s3cret", auth::Prover::kAcceptor, auth::make_nonce(),
+                                    *hello.nonce, {"w0", 0}, {"worker3", 3});
   const wire::Message m = wire::encode_hello(hello);
   CHECK(m.type == wire::MessageType::Handshake);
+  CHECK(m.payload.size() == 4 + 4 + 7 + 8 + 1 + 32 + 32);
+  CHECK(m.payload.find("s3cret") == std::string::npos);
   const wire::Hello got = wire::decode_hello(transmit(m));
   CHECK(got.protocol_version == wire::kProtocolVersion);
   CHECK(got.worker_name == "worker3");
   CHECK(got.worker_id == 3);
-  CHECK(got.auth_token == std::optional<std::string>("s3cret"));
-  CHECK_NOTHROW(wire::verify_auth_token(got, std::string("s3cret")));
-  CHECK_NOTHROW(wire::verify_auth_token(got, std::nullopt));
-  CHECK_ERROR(wire::ProtocolError, wire::verify_auth_token(got, std::string("other")),
-              "authentication failed: worker 'worker3' (id 3) sent a wrong auth token");
+  REQUIRE(got.nonce.has_value());
+  CHECK(*got.nonce == *hello.nonce);
+  REQUIRE(got.proof.has_value());
+  CHECK(*got.proof == *hello.proof);
+
+  wire::Hello challenge = hello;  // what a dialler sends: a nonce, no proof
+  challenge.proof.reset();
+  const wire::Hello got_challenge = wire::decode_hello(wire::encode_hello(challenge));
+  CHECK(got_challenge.nonce == hello.nonce);
+  CHECK_FALSE(got_challenge.proof.has_value());
   wire::Hello anonymous;
   anonymous.worker_name = "w0";
   anonymous.worker_id = 0;
   const wire::Hello got_anonymous = wire::decode_hello(wire::encode_hello(anonymous));
-  CHECK_FALSE(got_anonymous.auth_token.has_value());
-  CHECK_ERROR(wire::ProtocolError, wire::verify_auth_token(got_anonymous, std::string("x")),
-              "sent no auth token");
+  CHECK_FALSE(got_anonymous.nonce.has_value());
+  CHECK_FALSE(got_anonymous.proof.has_value());
+  wire::Hello proof_only = anonymous;
+  proof_only.proof = auth::Proof{};
+  CHECK_THROWS_WITH_AS(wire::encode_hello(proof_only),
+                       "handshake with a proof but no nonce (the acceptor sends both)",
+                       wire::EncodeError);
 
-  wire::Hello future = hello;
-  future.protocol_version = 7;
-  const std::string newer =
-      "peer speaks distrpc protocol version 7 but this build speaks version " +
-      std::to_string(wire::kProtocolVersion);
-  CHECK_ERROR(wire::ProtocolError, wire::decode_hello(wire::encode_hello(future)), newer.c_str());
+  // Version 4: the version stays the first field, so an older or newer peer is told in words.
+  CHECK(wire::kProtocolVersion == 4);
+  wire::Hello old = hello;
+  old.protocol_version = 3;
+  CHECK_THROWS_WITH_AS(wire::decode_hello(wire::encode_hello(old)),
+                       "peer speaks distrpc protocol version 3 but this build speaks version 4",
+                       wire::ProtocolError);
   wire::Message not_hello = m;
   not_hello.type = wire::MessageType::Request;
   CHECK_ERROR(wire::ProtocolError, wire::decode_hello(not_hello),
@@ -585,10 +600,153 @@ TEST_CASE("wire: handshake carries name, id, version and an optional token") {
     cut.payload.resize(n);
     CHECK_THROWS_AS(wire::decode_hello(cut), wire::ProtocolError);
   }
+  wire::Message bad_kind = m;
+  bad_kind.payload[4 + 4 + 7 + 8] = 3;
+  CHECK_THROWS_WITH_AS(wire::decode_hello(bad_kind),
+                       "handshake authentication kind 3 is none of 0 (none), 1 (challenge), 2 "
+                       "(answer)",
+                       wire::ProtocolError);
   wire::Message huge = m;
   patch(huge.payload, 4, 0xFFFFFFFF, 4);
   CHECK_ERROR(wire::ProtocolError, wire::decode_hello(huge),
               "handshake worker name length 4294967295 exceeds limit 1024");
+
+  // The dialler's answer frame.
+  const wire::Message answer = wire::encode_auth_answer(*hello.proof);
+  CHECK(wire::decode_auth_answer(transmit(answer), "worker 'w' (id 1)") == *hello.proof);
+  CHECK_THROWS_WITH_AS(wire::decode_auth_answer(m, "worker 'w' (id 1)"),
+                       "authentication failed: worker 'w' (id 1) did not answer our challenge "
+                       "with a proof (got a Handshake frame of 88 payload bytes)",
+                       wire::ProtocolError);
+}
+
+TEST_CASE("wire: auth proofs are HMAC-SHA256 over both nonces, both identities and the direction") {
+  namespace auth = wire::auth;
+  auth::Nonce a{}, b{};
+  for (std::size_t i = 0; i < 32; ++i) {
+    a[i] = static_cast<unsigned char>(i);
+    b[i] = static_cast<unsigned char>(32 + i);
+  }
+  // Known answer, computed independently with Python's hmac module over the transcript
+  // "distrpc-auth-v1" | prover byte | nonces | (u32 name length | name | i64 id) x 2.
+  const auth::Proof p =
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w1", 1}, {"server", -1});
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : p) {
+    hex += kHex[c >> 4];
+    hex += kHex[c & 15];
+  }
+  CHECK(hex == "51fa6546b70b8916ef105ee603cc50298a25a125f3dd154a986f977c01c61b6f");
+  // Any change in what is signed changes the proof.
+  auth::Nonce a2 = a;
+  a2[31] ^= 1;
+  auth::Nonce b2 = b;
+  b2[0] ^= 1;
+  const std::vector<auth::Proof> others = {
+      auth::compute_proof("k3Y", auth::Prover::kAcceptor, a, b, {"w1", 1}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kDialler, a, b, {"w1", 1}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a2, b, {"w1", 1}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b2, {"w1", 1}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w2", 1}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w1", 2}, {"server", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w1", 1}, {"server2", -1}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w1", 1}, {"server", 0}),
+      auth::compute_proof("k3y", auth::Prover::kAcceptor, b, a, {"w1", 1}, {"server", -1})};
+  for (const auth::Proof& o : others) {
+    CHECK_FALSE(auth::same_proof(p, o));
+  }
+  CHECK(auth::same_proof(
+      p, auth::compute_proof("k3y", auth::Prover::kAcceptor, a, b, {"w1", 1}, {"server", -1})));
+  // Fresh nonces: never the same twice, never all zero.
+  const auth::Nonce n1 = auth::make_nonce(), n2 = auth::make_nonce();
+  CHECK(n1 != n2);
+  CHECK(n1 != auth::Nonce{});
+}
+
+TEST_CASE("wire: the authenticated handshake, its refusals, a replay and a reflection") {
+  namespace auth = wire::auth;
+  const std::optional<std::string> secret = "s3cret";
+  wire::Hello dialler;
+  dialler.worker_name = "w7";
+  dialler.worker_id = 7;
+  dialler.nonce = auth::make_nonce();
+  wire::Hello acceptor_base;
+  acceptor_base.worker_name = "w0";
+  acceptor_base.worker_id = 0;
+
+  // The right secret on both sides.
+  CHECK_NOTHROW(wire::check_auth_offer(dialler, true));
+  const wire::Hello reply = wire::make_acceptor_hello(acceptor_base, dialler, secret);
+  REQUIRE(reply.nonce.has_value());
+  REQUIRE(reply.proof.has_value());
+  const std::optional<auth::Proof> answer = wire::answer_acceptor(dialler, reply, secret);
+  REQUIRE(answer.has_value());
+  CHECK_NOTHROW(wire::verify_dialler_answer(reply, dialler, *answer, *secret));
+  for (const wire::Message& m : {wire::encode_hello(dialler), wire::encode_hello(reply),
+                                 wire::encode_auth_answer(*answer)}) {
+    CHECK(m.payload.find(*secret) == std::string::npos);
+  }
+
+  const std::string wrong_proof_of_w0 =
+      "authentication failed: worker 'w0' (id 0) answered our challenge with a wrong proof (a "
+      "different shared secret, or a replayed answer)";
+  const std::string wrong_proof_of_w7 =
+      "authentication failed: worker 'w7' (id 7) answered our challenge with a wrong proof (a "
+      "different shared secret, or a replayed answer)";
+  // A wrong secret: the dialler finds the acceptor's proof wrong, and the other way round.
+  CHECK_THROWS_WITH_AS(wire::answer_acceptor(dialler, reply, std::string("guess")),
+                       wrong_proof_of_w0.c_str(), wire::ProtocolError);
+  const auth::Proof guessed = *wire::answer_acceptor(
+      dialler, wire::make_acceptor_hello(acceptor_base, dialler, std::string("guess")),
+      std::string("guess"));
+  CHECK_THROWS_WITH_AS(wire::verify_dialler_answer(reply, dialler, guessed, *secret),
+                       wrong_proof_of_w7.c_str(), wire::ProtocolError);
+  // A replay: the answer recorded above, on a new connection (the acceptor's nonce is new).
+  const wire::Hello reply2 = wire::make_acceptor_hello(acceptor_base, dialler, secret);
+  CHECK(*reply2.nonce != *reply.nonce);
+  CHECK_THROWS_WITH_AS(wire::verify_dialler_answer(reply2, dialler, *answer, *secret),
+                       wrong_proof_of_w7.c_str(), wire::ProtocolError);
+  // ... and a recorded acceptor reply played to a dialler with a new nonce.
+  wire::Hello dialler2 = dialler;
+  dialler2.nonce = auth::make_nonce();
+  CHECK_THROWS_WITH_AS(wire::answer_acceptor(dialler2, reply, secret), wrong_proof_of_w0.c_str(),
+                       wire::ProtocolError);
+  // A reflection: the acceptor's own proof sent back as the dialler's answer.
+  CHECK_THROWS_WITH_AS(wire::verify_dialler_answer(reply, dialler, *reply.proof, *secret),
+                       wrong_proof_of_w7.c_str(), wire::ProtocolError);
+  // An identity other than the one the proof was made for.
+  wire::Hello impostor = dialler;
+  impostor.worker_name = "w8";
+  CHECK_THROWS_AS(wire::verify_dialler_answer(reply, impostor, *answer, *secret),
+                  wire::ProtocolError);
+
+  // A secret on one side only.
+  wire::Hello bare = dialler;
+  bare.nonce.reset();
+  CHECK_THROWS_WITH_AS(wire::check_auth_offer(bare, true),
+                       "authentication failed: worker 'w7' (id 7) has no shared secret "
+                       "configured, and this worker requires one",
+                       wire::ProtocolError);
+  CHECK_THROWS_WITH_AS(wire::check_auth_offer(dialler, false),
+                       "authentication failed: worker 'w7' (id 7) has a shared secret "
+                       "configured, and this worker has none",
+                       wire::ProtocolError);
+  CHECK_THROWS_WITH_AS(wire::check_auth_offer(reply, true),
+                       "authentication failed: worker 'w0' (id 0) sent a proof before it was "
+                       "challenged",
+                       wire::ProtocolError);
+  const wire::Hello open_reply = wire::make_acceptor_hello(acceptor_base, bare, std::nullopt);
+  CHECK_FALSE(open_reply.nonce.has_value());
+  CHECK_FALSE(wire::answer_acceptor(bare, open_reply, std::nullopt).has_value());
+  CHECK_THROWS_WITH_AS(wire::answer_acceptor(dialler, open_reply, secret),
+                       "authentication failed: worker 'w0' (id 0) did not answer our challenge "
+                       "(it has no shared secret configured)",
+                       wire::ProtocolError);
+  CHECK_THROWS_WITH_AS(wire::answer_acceptor(bare, reply, std::nullopt),
+                       "authentication failed: worker 'w0' (id 0) has a shared secret "
+                       "configured, and this worker has none",
+                       wire::ProtocolError);
 }
 
 TEST_CASE("wire: malformed tensor records are decode errors with a reason") {

@@ -42,7 +42,9 @@ struct RpcBackendOptions {
   std::string interface;
   std::string listen_host;
   std::string advertise_host;
-  // Optional shared secret: connections presenting another token are dropped at the handshake.
+  // Optional shared secret: a connection whose peer cannot prove it knows the same secret
+  // (challenge-response; the secret is never sent) is dropped at the handshake. Empty:
+  // DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET, else none (docs/security.md).
   std::string auth_token;
   // Largest message (payload plus tensors) sent or accepted, in bytes.
   std::uint64_t max_message_bytes = 16ull << 30;

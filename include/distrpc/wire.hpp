@@ -3,6 +3,7 @@
 #pragma once
 
 #include <distrpc/wire/archive.hpp>
+#include <distrpc/wire/auth.hpp>
 #include <distrpc/wire/errors.hpp>
 #include <distrpc/wire/frame.hpp>
 #include <distrpc/wire/handshake.hpp>

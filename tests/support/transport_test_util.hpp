@@ -23,6 +23,7 @@
 
 #include <doctest/doctest.h>
 
+#include "distrpc/log.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/message.hpp"
 
@@ -141,6 +142,45 @@ inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   return a.numel() == 0 ||
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel())) == 0;
 }
+
+// Every diagnostic written while alive (a user sink, whatever the default routing is): for the
+// tests that check what a refusal logged.
+class LogLines {
+ public:
+  LogLines() {
+    distrpc::set_log_sink([this](distrpc::LogLevel, std::string_view who, std::string_view text) {
+      std::lock_guard<std::mutex> lk(mu_);
+      lines_.push_back(std::string(who) + ": " + std::string(text));
+    });
+  }
+  ~LogLines() { distrpc::set_log_sink(nullptr); }
+  LogLines(const LogLines&) = delete;
+  LogLines& operator=(const LogLines&) = delete;
+  // Waits up to 5 s for a line containing `part`; returns it ("" if none came).
+  std::string wait_for(const std::string& part) {
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    while (std::chrono::steady_clock::now() < until) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (const auto& l : lines_) {
+          if (contains(l, part)) return l;
+        }
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return "";
+  }
+  std::string all() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string out;
+    for (const auto& l : lines_) out += l + "\n";
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
 
 // For scenarios whose on_message offers tasks inline (transport.hpp InlineScope): what reached
 // the fallback, under the one mutex the scenario also uses for its own records.
@@ -511,6 +551,7 @@ using distrpc::testing::bytes_of;
 using distrpc::testing::contains;
 using distrpc::testing::Inbox;
 using distrpc::testing::introduce;
+using distrpc::testing::LogLines;
 using distrpc::testing::make_message;
 using distrpc::testing::NodeOf;
 using distrpc::testing::options_for;

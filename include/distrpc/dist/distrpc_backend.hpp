@@ -72,7 +72,7 @@ namespace distrpc::dist {
 struct DistrpcBackendOptions {
   std::string listen_host;
   std::string advertise_host;  // empty: the address listened on
-  std::string auth_token;      // optional shared secret checked when connections are made
+  std::string auth_token;      // optional shared secret (docs/security.md), never sent
   // Tensors of at most this many bytes are reduced by a direct exchange (every member sends its
   // tensor to every other: one message latency); larger ones by a ring (bandwidth-optimal).
   std::int64_t small_bytes = 64 * 1024;

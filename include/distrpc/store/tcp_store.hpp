@@ -54,6 +54,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,14 @@ struct TCPStoreOptions {
   // Master only: a connection that has sent no request by then is closed, so silent sockets
   // cannot pile up.
   std::chrono::milliseconds handshake_timeout{10'000};
+  // A shared secret: the server serves only clients that prove they have it, and a client checks
+  // that the server has it too (challenge-response; the secret is never sent). Empty: the file
+  // auth_secret_file names, else DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET, else
+  // none (docs/security.md). With a secret, PyTorch's own TCPStore cannot connect.
+  std::string auth_secret;
+  // A file holding the secret (one line, mode 0600 or stricter: a file open to group or others is
+  // refused).
+  std::string auth_secret_file;
 };
 
 class TCPStore : public Store {
@@ -106,14 +115,16 @@ class TCPStore : public Store {
       throw DistError("TCPStore: wait_for_workers=true needs world_size > 0, got " +
                       std::to_string(opts_.world_size));
     }
+    secret_ = wire::auth::resolve_secret(opts_.auth_secret, opts_.auth_secret_file);
     if (opts_.is_master) {
       server_ = std::make_unique<detail::Server>(
           opts_.listen_address.empty() ? opts_.host : opts_.listen_address, opts_.port,
-          opts_.handshake_timeout);
+          opts_.handshake_timeout, secret_);
       opts_.port = server_->port();
     }
     name_ = "TCPStore(" + detail::host_port(opts_.host, opts_.port) + ")";
-    idle_.push_back(std::make_unique<detail::Connection>(opts_.host, opts_.port, opts_.timeout));
+    idle_.push_back(
+        std::make_unique<detail::Connection>(opts_.host, opts_.port, opts_.timeout, secret_));
     if (opts_.world_size > 0) {
       // c10d's registration: every store object that knows the world size adds 1 to "init/"
       // (unprefixed), which a c10d master waiting for its workers polls and ours waits on.
@@ -332,7 +343,7 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout());
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout(), secret_);
   }
 
   void release(std::unique_ptr<detail::Connection> c) {
@@ -374,7 +385,7 @@ class TCPStore : public Store {
   std::vector<std::string> missing(const std::vector<std::string>& keys) {
     if (keys.size() < 2) return keys;
     try {
-      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace);
+      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace, secret_);
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a check after a timeout"); };
       std::vector<std::string> out;
@@ -395,7 +406,7 @@ class TCPStore : public Store {
   void explain_refused_add(const std::string& key, std::int64_t delta) {
     Bytes current;
     try {
-      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace);
+      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace, secret_);
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a read after a refused add"); };
       c.out().push_back(detail::kCheckByte);
@@ -419,6 +430,7 @@ class TCPStore : public Store {
   }
 
   TCPStoreOptions opts_;
+  std::optional<std::string> secret_;  // resolved from the options or the environment
   std::string name_;
   std::unique_ptr<detail::Server> server_;
   std::mutex mu_;  // guards idle_ and lost_

@@ -33,7 +33,10 @@ struct TransportOptions {
   std::string listen_host = "127.0.0.1";  // loopback by default: exposing a port is a choice
   // The host published in address() (what peers dial); empty: the address listened on.
   std::string advertise_host;
-  std::string auth_token;                 // optional shared secret checked at the handshake
+  // Optional shared secret: connections are authenticated by challenge-response on it, and it is
+  // never sent. Empty: DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET, else none
+  // (docs/security.md).
+  std::string auth_token;
   wire::Limits limits{};                  // frames beyond these are refused / dropped
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(30)};
   // How long a refused connection is retried (within connect_timeout). A peer that is still

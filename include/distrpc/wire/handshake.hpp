@@ -1,15 +1,23 @@
-// The first frame each side sends on a new connection: who it is and which protocol it speaks, plus
-// an optional shared secret. Its payload has a fixed little-endian layout (not cereal) that starts
-// with the version, so a peer of any version can be told, in words, why it was refused.
+// The first frame each side sends on a new connection: who it is and which protocol it speaks, and
+// with a shared secret configured, a challenge (a fresh nonce) and, from the accepting side, its
+// proof of the secret (auth.hpp). The secret itself is never sent. Its payload has a fixed
+// little-endian layout (not cereal) that starts with the version, so a peer of any version can be
+// told, in words, why it was refused.
+//
+// With a secret, a connection opens in three frames: the dialler's Hello (its nonce), the
+// acceptor's Hello (its nonce and its proof over both), then the dialler's AuthAnswer (its proof).
+// Each side checks the other's proof before it trusts the connection. Without one, the two Hellos
+// are the whole handshake.
 #pragma once
 
+#include <distrpc/wire/auth.hpp>
 #include <distrpc/wire/byte_order.hpp>
 #include <distrpc/wire/errors.hpp>
 #include <distrpc/wire/message.hpp>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -18,34 +26,50 @@ namespace distrpc::wire {
 
 // Version of the payload encoding and message semantics; bumped whenever either changes.
 // 1: RPC core. 2: the request header gained a mode byte and RRef ids; control types 16-20 (RRefs).
-inline constexpr std::uint32_t kProtocolVersion = 3;
+// 3: (current transports). 4: the Hello carries a nonce and a proof instead of the secret, and an
+// AuthAnswer frame follows when a secret is configured.
+inline constexpr std::uint32_t kProtocolVersion = 4;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
-inline constexpr std::size_t kMaxHelloTokenBytes = 4096;
+
+// What a Hello carries of authentication (the byte after the worker id).
+enum class HelloAuth : std::uint8_t {
+  kNone = 0,       // the sender has no secret
+  kChallenge = 1,  // the dialler: its nonce
+  kAnswer = 2,     // the acceptor: its nonce, then its proof over both nonces
+};
 
 struct Hello {
   std::uint32_t protocol_version = kProtocolVersion;
   std::string worker_name;
   std::int64_t worker_id = -1;
-  std::optional<std::string> auth_token;  // a shared secret; never logged
+  std::optional<auth::Nonce> nonce;  // the sender's challenge: present when it has a secret
+  std::optional<auth::Proof> proof;  // the acceptor's answer to the dialler's challenge
 };
 
-// Payload: u32 protocol_version | u32 name length | name | i64 worker_id | u8 has_token
-//          [| u32 token length | token]
+// "worker 'trainer3' (id 3)": how refusals name the peer (never with anything secret).
+inline std::string hello_who(const Hello& h) {
+  return "worker '" + h.worker_name + "' (id " + std::to_string(h.worker_id) + ")";
+}
+
+// Payload: u32 protocol_version | u32 name length | name | i64 worker_id | u8 HelloAuth
+//          [| nonce (32 bytes) [| proof (32 bytes)]]
 inline Message encode_hello(const Hello& hello) {
   if (hello.worker_name.size() > kMaxHelloNameBytes) {
     throw EncodeError("handshake worker name of " + std::to_string(hello.worker_name.size()) +
                       " bytes exceeds the limit of " + std::to_string(kMaxHelloNameBytes));
   }
-  if (hello.auth_token && hello.auth_token->size() > kMaxHelloTokenBytes) {
-    throw EncodeError("handshake auth token of " + std::to_string(hello.auth_token->size()) +
-                      " bytes exceeds the limit of " + std::to_string(kMaxHelloTokenBytes));
+  if (hello.proof && !hello.nonce) {
+    throw EncodeError("handshake with a proof but no nonce (the acceptor sends both)");
   }
+  const HelloAuth kind =
+      hello.proof ? HelloAuth::kAnswer : (hello.nonce ? HelloAuth::kChallenge : HelloAuth::kNone);
   Message m;
   m.type = MessageType::Handshake;
   m.id = 0;
-  const std::size_t token_bytes = hello.auth_token ? 4 + hello.auth_token->size() : 0;
-  m.payload.resize(4 + 4 + hello.worker_name.size() + 8 + 1 + token_bytes);
+  const std::size_t auth_bytes =
+      (hello.nonce ? auth::kNonceBytes : 0) + (hello.proof ? auth::kProofBytes : 0);
+  m.payload.resize(4 + 4 + hello.worker_name.size() + 8 + 1 + auth_bytes);
   char* p = m.payload.data();
   detail::put_le<std::uint32_t>(p, hello.protocol_version);
   detail::put_le<std::uint32_t>(p + 4, static_cast<std::uint32_t>(hello.worker_name.size()));
@@ -54,12 +78,13 @@ inline Message encode_hello(const Hello& hello) {
   p += hello.worker_name.size();
   detail::put_le<std::int64_t>(p, hello.worker_id);
   p += 8;
-  detail::put_le<std::uint8_t>(p, hello.auth_token ? 1 : 0);
+  detail::put_le<std::uint8_t>(p, static_cast<std::uint8_t>(kind));
   p += 1;
-  if (hello.auth_token) {
-    detail::put_le<std::uint32_t>(p, static_cast<std::uint32_t>(hello.auth_token->size()));
-    hello.auth_token->copy(p + 4, hello.auth_token->size());
+  if (hello.nonce) {
+    std::memcpy(p, hello.nonce->data(), hello.nonce->size());
+    p += hello.nonce->size();
   }
+  if (hello.proof) std::memcpy(p, hello.proof->data(), hello.proof->size());
   return m;
 }
 
@@ -104,24 +129,24 @@ inline Hello decode_hello(const Message& m, std::uint32_t supported_version = kP
   need(8, "worker_id");
   hello.worker_id = detail::get_le<std::int64_t>(in.data());
   in.remove_prefix(8);
-  need(1, "auth token flag");
-  const auto has_token = detail::get_le<std::uint8_t>(in.data());
+  need(1, "authentication kind");
+  const auto kind = detail::get_le<std::uint8_t>(in.data());
   in.remove_prefix(1);
-  if (has_token > 1) {
-    throw ProtocolError("handshake auth token flag " + std::to_string(has_token) +
-                        " is neither 0 nor 1");
+  if (kind > static_cast<std::uint8_t>(HelloAuth::kAnswer)) {
+    throw ProtocolError("handshake authentication kind " + std::to_string(kind) +
+                        " is none of 0 (none), 1 (challenge), 2 (answer)");
   }
-  if (has_token == 1) {
-    need(4, "auth token length");
-    const auto token_len = detail::get_le<std::uint32_t>(in.data());
-    in.remove_prefix(4);
-    if (token_len > kMaxHelloTokenBytes) {
-      throw ProtocolError("handshake auth token length " + std::to_string(token_len) +
-                          " exceeds limit " + std::to_string(kMaxHelloTokenBytes));
-    }
-    need(token_len, "auth token");
-    hello.auth_token.emplace(in.substr(0, token_len));
-    in.remove_prefix(token_len);
+  if (kind >= static_cast<std::uint8_t>(HelloAuth::kChallenge)) {
+    need(auth::kNonceBytes, "nonce");
+    hello.nonce.emplace();
+    std::memcpy(hello.nonce->data(), in.data(), auth::kNonceBytes);
+    in.remove_prefix(auth::kNonceBytes);
+  }
+  if (kind == static_cast<std::uint8_t>(HelloAuth::kAnswer)) {
+    need(auth::kProofBytes, "proof");
+    hello.proof.emplace();
+    std::memcpy(hello.proof->data(), in.data(), auth::kProofBytes);
+    in.remove_prefix(auth::kProofBytes);
   }
   if (!in.empty()) {
     throw ProtocolError("handshake from worker '" + hello.worker_name + "' has " +
@@ -130,28 +155,101 @@ inline Hello decode_hello(const Message& m, std::uint32_t supported_version = kP
   return hello;
 }
 
-// Checks the peer's token against the expected one (none expected: anything is accepted). The
-// comparison takes the same time wherever the first difference is, so timing does not leak the
-// secret. The error names the peer, never the tokens.
-inline void verify_auth_token(const Hello& peer, const std::optional<std::string>& expected) {
-  if (!expected) return;
-  const auto who = [&] {
-    return "worker '" + peer.worker_name + "' (id " + std::to_string(peer.worker_id) + ")";
-  };
-  if (!peer.auth_token) {
-    throw ProtocolError("authentication failed: " + who() + " sent no auth token");
+// The dialler's third frame (with a secret only): its proof. Payload: u32 protocol_version | proof.
+inline Message encode_auth_answer(const auth::Proof& proof) {
+  Message m;
+  m.type = MessageType::Handshake;
+  m.id = 0;
+  m.payload.resize(4 + proof.size());
+  detail::put_le<std::uint32_t>(m.payload.data(), kProtocolVersion);
+  std::memcpy(m.payload.data() + 4, proof.data(), proof.size());
+  return m;
+}
+
+// Throws ProtocolError naming `who` when the frame is not an AuthAnswer of this version.
+inline auth::Proof decode_auth_answer(const Message& m, const std::string& who) {
+  if (m.type != MessageType::Handshake || !m.buffers.empty() ||
+      m.payload.size() != 4 + auth::kProofBytes ||
+      detail::get_le<std::uint32_t>(m.payload.data()) != kProtocolVersion) {
+    throw ProtocolError("authentication failed: " + who +
+                        " did not answer our challenge with a proof (got a " + to_string(m.type) +
+                        " frame of " + std::to_string(m.payload.size()) + " payload bytes)");
   }
-  const std::string& a = *expected;
-  const std::string& b = *peer.auth_token;
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const std::size_t n = std::max(a.size(), b.size());
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const auto y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff = static_cast<unsigned char>(diff | (x ^ y));
+  auth::Proof p{};
+  std::memcpy(p.data(), m.payload.data() + 4, p.size());
+  return p;
+}
+
+// The acceptor, on the dialler's Hello: both sides have a secret, or neither does. The error
+// names the peer, never the secret.
+inline void check_auth_offer(const Hello& dialler, bool have_secret) {
+  if (dialler.proof) {
+    throw ProtocolError("authentication failed: " + hello_who(dialler) +
+                        " sent a proof before it was challenged");
   }
-  if (diff != 0) {
-    throw ProtocolError("authentication failed: " + who() + " sent a wrong auth token");
+  if (have_secret && !dialler.nonce) {
+    throw ProtocolError("authentication failed: " + hello_who(dialler) +
+                        " has no shared secret configured, and this worker requires one");
+  }
+  if (!have_secret && dialler.nonce) {
+    throw ProtocolError("authentication failed: " + hello_who(dialler) +
+                        " has a shared secret configured, and this worker has none");
+  }
+}
+
+// The acceptor's Hello in reply to the dialler's: with a secret, a fresh nonce of its own and its
+// proof over both nonces and both identities.
+inline Hello make_acceptor_hello(Hello mine, const Hello& dialler,
+                                 const std::optional<std::string>& secret) {
+  mine.nonce.reset();
+  mine.proof.reset();
+  if (!secret) return mine;
+  mine.nonce = auth::make_nonce();
+  mine.proof = auth::compute_proof(*secret, auth::Prover::kAcceptor, *dialler.nonce, *mine.nonce,
+                                   {dialler.worker_name, dialler.worker_id},
+                                   {mine.worker_name, mine.worker_id});
+  return mine;
+}
+
+// The dialler, on the acceptor's Hello (`mine`: the Hello it sent, its nonce included): checks the
+// acceptor's proof and returns the dialler's own, to send back as an AuthAnswer (nullopt without a
+// secret: the handshake is done).
+inline std::optional<auth::Proof> answer_acceptor(const Hello& mine, const Hello& acceptor,
+                                                  const std::optional<std::string>& secret) {
+  if (!secret) {
+    if (acceptor.nonce) {
+      throw ProtocolError("authentication failed: " + hello_who(acceptor) +
+                          " has a shared secret configured, and this worker has none");
+    }
+    return std::nullopt;
+  }
+  if (!acceptor.nonce || !acceptor.proof) {
+    throw ProtocolError("authentication failed: " + hello_who(acceptor) +
+                        " did not answer our challenge (it has no shared secret configured)");
+  }
+  const auth::Party dialler{mine.worker_name, mine.worker_id};
+  const auth::Party answerer{acceptor.worker_name, acceptor.worker_id};
+  const auth::Proof expected = auth::compute_proof(*secret, auth::Prover::kAcceptor, *mine.nonce,
+                                                   *acceptor.nonce, dialler, answerer);
+  if (!auth::same_proof(expected, *acceptor.proof)) {
+    throw ProtocolError("authentication failed: " + hello_who(acceptor) +
+                        " answered our challenge with a wrong proof (a different shared secret, "
+                        "or a replayed answer)");
+  }
+  return auth::compute_proof(*secret, auth::Prover::kDialler, *mine.nonce, *acceptor.nonce, dialler,
+                             answerer);
+}
+
+// The acceptor, on the dialler's AuthAnswer (`mine`: the Hello it replied with).
+inline void verify_dialler_answer(const Hello& mine, const Hello& dialler,
+                                  const auth::Proof& answer, const std::string& secret) {
+  const auth::Proof expected = auth::compute_proof(
+      secret, auth::Prover::kDialler, *dialler.nonce, *mine.nonce,
+      {dialler.worker_name, dialler.worker_id}, {mine.worker_name, mine.worker_id});
+  if (!auth::same_proof(expected, answer)) {
+    throw ProtocolError("authentication failed: " + hello_who(dialler) +
+                        " answered our challenge with a wrong proof (a different shared secret, "
+                        "or a replayed answer)");
   }
 }
 

@@ -55,10 +55,12 @@ class ReplyTimeout : public StoreTimeoutError {
 
 class Connection {
  public:
-  // Connects, retrying until `timeout` (the server may start later), then checks that the peer
+  // Connects, retrying until `timeout` (the server may start later), authenticates when it has a
+  // `secret` (tcp_store_protocol.hpp: the secret itself is never sent), then checks that the peer
   // speaks c10d's TCPStore protocol: a CHECK of no keys must be answered READY. (c10d has no
   // handshake; this one is valid on every c10d server of the legacy numbering.)
-  Connection(const std::string& host, int port, std::chrono::milliseconds timeout)
+  Connection(const std::string& host, int port, std::chrono::milliseconds timeout,
+             const std::optional<std::string>& secret)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
     // The server may start later: a refusal is retried like any failure until the deadline (none
@@ -78,10 +80,11 @@ class Connection {
                                   std::to_string(timeout.count()) +
                                   " ms (last error: " + end.last.text + ")");
         });
-    Buffer& b = out();
-    b.push_back(kCheckByte);
-    put_le<std::uint64_t>(b, 0);
     try {
+      if (secret) authenticate(*secret, deadline);
+      Buffer& b = out();
+      b.push_back(kCheckByte);
+      put_le<std::uint64_t>(b, 0);
       auto what = [] { return std::string("the first request"); };
       send(deadline, what);
       const std::uint8_t r = read_u8(deadline, what);
@@ -89,6 +92,13 @@ class Connection {
         throw DistNetworkError("TCPStore: " + where_ + " answered " + std::to_string(r) +
                                " to a CHECK of no keys: not a TCPStore server");
       }
+    } catch (const ConnectionLost& e) {
+      fd_.reset();
+      if (secret) throw;
+      // A server with a secret closes the connection of a client without one at its first byte.
+      throw ConnectionLost(std::string(e.what()) +
+                           " (a server with a shared secret refuses a client without one: see "
+                           "the server's log)");
     } catch (const std::exception& e) {
       fd_.reset();
       if (dynamic_cast<const DistNetworkError*>(&e)) throw;
@@ -162,6 +172,51 @@ class Connection {
   const std::string& where() const { return where_; }
 
  private:
+  // The challenge-response of tcp_store_protocol.hpp. Throws DistNetworkError naming the server
+  // and what failed; never with the secret in the text.
+  void authenticate(const std::string& secret, const Deadline& deadline) {
+    const auto failed = [&](const std::string& why) {
+      broken_ = true;
+      return DistNetworkError("TCPStore: authentication with the server at " + where_ +
+                              " failed: " + why);
+    };
+    auto what = [] { return std::string("authentication"); };
+    const wire::auth::Nonce mine = wire::auth::make_nonce();
+    out_.push_back(kAuthByte);
+    put_le<std::uint32_t>(out_, kAuthMagic);
+    out_.insert(out_.end(), mine.begin(), mine.end());
+    send(deadline, what);
+    const std::uint8_t kind = read_u8(deadline, what);
+    if (kind == kAuthNoSecret) {
+      throw failed("it has no shared secret configured, and this client has one");
+    }
+    if (kind != kAuthChallenge) {
+      throw failed("it answered " + std::to_string(kind) +
+                   " to our challenge (not a TCPStore "
+                   "server of distrpc)");
+    }
+    wire::auth::Nonce theirs{};
+    wire::auth::Proof proof{};
+    read_exact(theirs.data(), theirs.size(), deadline, what);
+    read_exact(proof.data(), proof.size(), deadline, what);
+    const wire::auth::Proof expected = wire::auth::compute_proof(
+        secret, wire::auth::Prover::kAcceptor, mine, theirs, kStoreClientParty, kStoreServerParty);
+    if (!wire::auth::same_proof(expected, proof)) {
+      throw failed(
+          "it answered our challenge with a wrong proof (a different shared secret, or a "
+          "replayed answer)");
+    }
+    const wire::auth::Proof answer = wire::auth::compute_proof(
+        secret, wire::auth::Prover::kDialler, mine, theirs, kStoreClientParty, kStoreServerParty);
+    out_.insert(out_.end(), answer.begin(), answer.end());
+    send(deadline, what);
+    try {
+      if (read_u8(deadline, what) != kAuthAccepted) throw failed("it did not accept our proof");
+    } catch (const ConnectionLost&) {
+      throw failed("it closed the connection instead of accepting our proof (see its log)");
+    }
+  }
+
   // One attempt per resolved address; nullopt with `last_error` set when none answers.
   static std::optional<net::Fd> try_connect(const std::string& host, int port,
                                             const Deadline& deadline, std::string& last_error) {

@@ -12,6 +12,7 @@
 
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
+#include "distrpc/wire/auth.hpp"
 
 namespace distrpc::store::detail {
 
@@ -87,6 +88,20 @@ inline constexpr std::uint8_t kReady = 0;
 inline constexpr std::uint8_t kNotReady = 1;
 inline constexpr std::uint8_t kStopWaiting = 0;
 inline constexpr std::uint8_t kWaitCanceled = 1;
+
+// distrpc's authentication (not c10d's: a server with a secret serves only distrpc clients that
+// have it). A client with a secret opens with kAuthByte, kAuthMagic and its nonce; a server with a
+// secret answers kAuthChallenge, its nonce and its proof (one without answers kAuthNoSecret); the
+// client checks the proof and sends its own (kProofBytes); the server answers kAuthAccepted or
+// closes the connection. 0xa7 is a query type of neither numbering, nor the magic's first byte.
+inline constexpr std::uint8_t kAuthByte = 0xa7;
+inline constexpr std::uint32_t kAuthMagic = 0x48545541;  // "AUTH"
+inline constexpr std::uint8_t kAuthNoSecret = 0;
+inline constexpr std::uint8_t kAuthChallenge = 1;
+inline constexpr std::uint8_t kAuthAccepted = 1;
+// The identities a store's proofs are bound to: the roles (a store connection has no worker).
+inline constexpr wire::auth::Party kStoreClientParty{"TCPStore client", -1};
+inline constexpr wire::auth::Party kStoreServerParty{"TCPStore server", -1};
 
 // Bytes that do not follow the protocol; the text says how.
 class WireError : public std::runtime_error {
@@ -167,6 +182,12 @@ class Reader {
     return n;
   }
   std::size_t consumed() const { return at_; }
+  // `n` raw bytes (a nonce, a proof).
+  void fixed(void* dst, std::size_t n) {
+    need(n);
+    std::memcpy(dst, p_ + at_, n);
+    at_ += n;
+  }
 
  private:
   std::size_t length(const char* what, std::size_t limit) {

@@ -51,8 +51,11 @@ class Server {
  public:
   // Binds and listens synchronously (so a busy port fails here, with its text), then serves on a
   // thread of its own until destroyed.
-  Server(const std::string& listen_host, int port, std::chrono::milliseconds handshake_timeout)
-      : acceptor_(io_), handshake_timeout_(handshake_timeout) {
+  // With a `secret`, a connection is served only once its client has proved it has the secret
+  // (tcp_store_protocol.hpp); until then nothing is read or written on its behalf.
+  Server(const std::string& listen_host, int port, std::chrono::milliseconds handshake_timeout,
+         std::optional<std::string> secret)
+      : acceptor_(io_), handshake_timeout_(handshake_timeout), secret_(std::move(secret)) {
     asio::ip::tcp::endpoint ep;
     try {
       asio::ip::tcp::resolver resolver(io_);
@@ -302,6 +305,10 @@ class Server {
     bool reading = false;  // an async_read_some is outstanding
     bool greeted = false;  // a first complete request arrived
     bool closed = false;
+    // With a secret: 0 waits for the client's challenge, 1 for its proof, 2 authenticated.
+    int auth_stage = 0;
+    wire::auth::Nonce client_nonce{};
+    wire::auth::Nonce server_nonce{};
     std::shared_ptr<Waiter> pending;
   };
 
@@ -335,8 +342,17 @@ class Server {
   // Parses one request from the front of [p, p + n) and serves it; returns the bytes it took.
   // NeedMore when the request is not complete yet, WireError when it breaks the protocol.
   std::size_t serve_one(Session& s, const std::uint8_t* p, std::size_t n) {
+    if (secret_ && s.auth_stage < 2) return authenticate(s, p, n);
     Reader r(p, n);
     std::uint8_t byte = r.u8();
+    if (!secret_ && s.numbering == Numbering::kUnknown && byte == kAuthByte) {
+      // A client with a secret, and this server has none: say so (the client then gives up).
+      if (r.le<std::uint32_t>() != kAuthMagic) throw WireError("a challenge with a wrong magic");
+      wire::auth::Nonce ignored{};
+      r.fixed(ignored.data(), ignored.size());
+      send_byte(s, kAuthNoSecret);
+      return r.consumed();
+    }
     if (s.numbering == Numbering::kUnknown && byte == (kValidateMagic & 0xff)) {
       // 0xce is no query type of either numbering: only the magic number can start this way.
       Reader probe(p, n);
@@ -389,6 +405,54 @@ class Server {
     }
     greet(s);
     execute(s, q);
+    return r.consumed();
+  }
+
+  static void send_byte(Session& s, std::uint8_t b) {
+    Buffer reply;
+    reply.push_back(b);
+    s.send(std::move(reply));
+  }
+
+  // The server's side of the challenge-response (tcp_store_protocol.hpp). A WireError closes the
+  // connection with the reason logged, naming the peer and never the secret.
+  std::size_t authenticate(Session& s, const std::uint8_t* p, std::size_t n) {
+    Reader r(p, n);
+    if (s.auth_stage == 0) {
+      const std::uint8_t byte = r.u8();
+      if (byte != kAuthByte) {
+        throw WireError("authentication failed: the client sent query type " + byte_text(byte) +
+                        " without authenticating (it has no shared secret configured, and this "
+                        "server requires one)");
+      }
+      if (r.le<std::uint32_t>() != kAuthMagic) {
+        throw WireError("authentication failed: the client's challenge has a wrong magic number");
+      }
+      r.fixed(s.client_nonce.data(), s.client_nonce.size());
+      s.server_nonce = wire::auth::make_nonce();
+      const wire::auth::Proof proof =
+          wire::auth::compute_proof(*secret_, wire::auth::Prover::kAcceptor, s.client_nonce,
+                                    s.server_nonce, kStoreClientParty, kStoreServerParty);
+      Buffer reply;
+      reply.push_back(kAuthChallenge);
+      reply.insert(reply.end(), s.server_nonce.begin(), s.server_nonce.end());
+      reply.insert(reply.end(), proof.begin(), proof.end());
+      s.auth_stage = 1;
+      s.send(std::move(reply));
+      return r.consumed();
+    }
+    wire::auth::Proof answer{};
+    r.fixed(answer.data(), answer.size());
+    const wire::auth::Proof expected =
+        wire::auth::compute_proof(*secret_, wire::auth::Prover::kDialler, s.client_nonce,
+                                  s.server_nonce, kStoreClientParty, kStoreServerParty);
+    if (!wire::auth::same_proof(expected, answer)) {
+      throw WireError(
+          "authentication failed: the client answered our challenge with a wrong proof (a "
+          "different shared secret, or a replayed answer)");
+    }
+    s.auth_stage = 2;
+    send_byte(s, kAuthAccepted);
     return r.consumed();
   }
 
@@ -645,6 +709,7 @@ class Server {
   asio::io_context io_{1};
   asio::ip::tcp::acceptor acceptor_;
   std::chrono::milliseconds handshake_timeout_;
+  std::optional<std::string> secret_;  // the shared secret clients must prove; none: no check
   std::uint16_t port_ = 0;
   std::string name_;
   std::unordered_map<std::string, Bytes> map_;

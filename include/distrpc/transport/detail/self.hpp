@@ -20,14 +20,22 @@ inline std::string log_who(const TransportOptions& o) {
   return o.self_name.empty() ? "worker " + std::to_string(o.self_id) : o.self_name;
 }
 
-// The hello this worker opens a connection with (`token`: the group's auth token, if any).
-inline wire::Hello make_hello(const TransportOptions& o, const std::optional<std::string>& token) {
+// The hello this worker opens a connection with (`secret`: the group's shared secret, if any;
+// it is never sent, only a fresh challenge nonce is). The acceptor replies with
+// wire::make_acceptor_hello() built on this.
+inline wire::Hello make_hello(const TransportOptions& o, const std::optional<std::string>& secret) {
   wire::Hello h;
   h.protocol_version = wire::kProtocolVersion;
   h.worker_name = o.self_name;
   h.worker_id = o.self_id;
-  h.auth_token = token;
+  if (secret) h.nonce = wire::auth::make_nonce();
   return h;
+}
+
+// The shared secret a transport authenticates its connections with: TransportOptions::auth_token,
+// else DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET (wire::auth::resolve_secret).
+inline std::optional<std::string> transport_secret(const TransportOptions& o) {
+  return wire::auth::resolve_secret(o.auth_token);
 }
 
 }  // namespace distrpc::transport::detail

@@ -370,6 +370,7 @@ struct PendingHandshake {
   std::array<char, wire::kFrameFixedBytes> fixed{};
   wire::Message request;
   wire::Hello hello;
+  wire::Hello mine;  // the Hello sent back: its nonce is what the dialler's answer must cover
   wire::Message reply;
   std::string reply_header;
   std::string remote;
@@ -384,7 +385,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
         lio_work_(asio::make_work_guard(lio_)),
         acceptor_(lio_),
         accept_retry_(lio_) {
-    if (!options_.auth_token.empty()) token_ = options_.auth_token;
+    token_ = transport::detail::transport_secret(options_);
     epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
     if (epfd_ < 0)
       throw DistNetworkError("distrpc tcp: epoll_create1 failed: " + errno_text(errno));
@@ -655,9 +656,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (ec) return fail_handshake(*h, handshake_read_error(ec));
     try {
       h->hello = wire::decode_hello(h->request);
-      wire::verify_auth_token(h->hello, token_);
+      wire::check_auth_offer(h->hello, token_.has_value());
       check_claimed_identity(h->hello);
-      h->reply = wire::encode_hello(my_hello());
+      h->mine = wire::make_acceptor_hello(my_hello(), h->hello, token_);
+      h->reply = wire::encode_hello(h->mine);
       h->reply_header = wire::encode_frame_header(h->reply);
     } catch (const std::exception& e) {
       return fail_handshake(*h, std::string("bad handshake: ") + e.what());
@@ -667,10 +669,50 @@ class Impl : public std::enable_shared_from_this<Impl> {
     asio::async_write(h->sock, bufs, [this, h](const asio::error_code& wec, std::size_t) {
       if (h->finished || stopping_.load()) return;
       if (wec) return fail_handshake(*h, "sending the handshake reply failed: " + wec.message());
+      if (token_) return read_auth_answer(h);
       h->finished = true;
       h->timer.cancel();
       adopt_incoming(*h);
     });
+  }
+
+  // With a secret: the dialler's proof (an AuthAnswer frame) comes next; nothing is adopted
+  // before it checks out.
+  void read_auth_answer(const std::shared_ptr<PendingHandshake>& h) {
+    asio::async_read(
+        h->sock, asio::buffer(h->fixed),
+        [this, h](const asio::error_code& rec, std::size_t) { on_answer_header(h, rec); });
+  }
+
+  void on_answer_header(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+    if (h->finished || stopping_.load()) return;
+    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    try {
+      wire::FrameDecoder decoder(hello_limits());
+      decoder.feed(h->fixed.data(), h->fixed.size());
+      if (!decoder.done()) throw wire::ProtocolError("handshake frame header incomplete");
+      h->request = wire::allocate_message(decoder.header());
+    } catch (const std::exception& e) {
+      return fail_handshake(*h, std::string("bad handshake: ") + e.what());
+    }
+    asio::async_read(
+        h->sock, asio::buffer(h->request.payload),
+        [this, h](const asio::error_code& rec, std::size_t) { on_answer_body(h, rec); });
+  }
+
+  void on_answer_body(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+    if (h->finished || stopping_.load()) return;
+    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    try {
+      const wire::auth::Proof answer =
+          wire::decode_auth_answer(h->request, wire::hello_who(h->hello));
+      wire::verify_dialler_answer(h->mine, h->hello, answer, *token_);
+    } catch (const std::exception& e) {
+      return fail_handshake(*h, std::string("bad handshake: ") + e.what());
+    }
+    h->finished = true;
+    h->timer.cancel();
+    adopt_incoming(*h);
   }
 
   // The claimed id must be a valid worker id, and agree with what add_peer() said about it.
@@ -848,8 +890,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const auto io_text = [&](int err) {
       if (err == kEndOfStream) {
         return std::string(
-            "the peer closed the connection (it refused our handshake: see its log; a wrong auth "
-            "token, protocol version or worker identity are the usual reasons)");
+            "the peer closed the connection (it refused our handshake: see its log; a shared "
+            "secret on one side only, a protocol version or a worker identity are the usual "
+            "reasons)");
       }
       if (err == ETIMEDOUT) {
         return "no reply within " + std::to_string(options_.connect_timeout.count()) +
@@ -858,7 +901,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (err == ECANCELED) return std::string("the transport is shut down");
       return errno_text(err);
     };
-    wire::Message hello = wire::encode_hello(my_hello());
+    const wire::Hello mine = my_hello();
+    wire::Message hello = wire::encode_hello(mine);
     std::string header = wire::encode_frame_header(hello);
     std::array<iovec, 2> iov{iovec{header.data(), header.size()},
                              iovec{hello.payload.data(), hello.payload.size()}};
@@ -870,6 +914,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw error("reading its Hello: " + io_text(err));
     }
     wire::Hello theirs;
+    std::optional<wire::auth::Proof> answer;
     try {
       wire::FrameDecoder decoder(hello_limits());
       decoder.feed(fixed.data(), fixed.size());
@@ -880,7 +925,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
         throw error("reading its Hello: " + io_text(err));
       }
       theirs = wire::decode_hello(reply);
-      wire::verify_auth_token(theirs, token_);
+      answer = wire::answer_acceptor(mine, theirs, token_);
     } catch (const wire::ProtocolError& e) {
       throw error(e.what());
     }
@@ -888,6 +933,15 @@ class Impl : public std::enable_shared_from_this<Impl> {
             transport::detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
         !wrong.empty()) {
       throw error(wrong);
+    }
+    if (answer) {
+      const wire::Message m = wire::encode_auth_answer(*answer);
+      std::string answer_header = wire::encode_frame_header(m);
+      std::array<iovec, 2> aiov{iovec{answer_header.data(), answer_header.size()},
+                                iovec{const_cast<char*>(m.payload.data()), m.payload.size()}};
+      if (const int err = write_all(fd.get(), aiov.data(), aiov.size(), deadline, stopping_)) {
+        throw error("sending our answer to its challenge: " + io_text(err));
+      }
     }
     auto c = std::make_shared<Connection>();
     c->fd = fd.release();

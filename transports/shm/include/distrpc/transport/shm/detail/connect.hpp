@@ -127,23 +127,25 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
     if (err == ECANCELED) return std::string("the transport is shut down");
     return errno_text(err);
   };
-  const std::string hello = hello_packet(my_hello());
+  const wire::Hello mine = my_hello();
+  const std::string hello = hello_packet(mine);
   if (const int err =
           send_packet(sock.get(), hello.data(), hello.size(), nullptr, 0, deadline, stopping_)) {
     throw error("sending our Hello: " + io_text(err, "the peer closed the connection"));
   }
   Packet reply;
   wire::Hello theirs;
+  std::optional<wire::auth::Proof> answer;
   try {
     if (const int err = recv_packet(sock.get(), reply, deadline, stopping_)) {
       throw error("reading its Hello: " +
                   io_text(err,
                           "the peer closed the connection (it refused our handshake: see its "
-                          "log; a wrong auth token, protocol version or worker identity are the "
-                          "usual reasons)"));
+                          "log; a shared secret on one side only, a protocol version or a worker "
+                          "identity are the usual reasons)"));
     }
     theirs = parse_hello_packet(reply.data);
-    wire::verify_auth_token(theirs, token_);
+    answer = wire::answer_acceptor(mine, theirs, token_);
     if (reply.fds.size() != 1) {
       throw wire::ProtocolError("its Hello carries " + std::to_string(reply.fds.size()) +
                                 " descriptors (expected its wake-up eventfd)");
@@ -156,6 +158,14 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
           transport::detail::identity_mismatch(id, name, theirs.worker_id, theirs.worker_name);
       !wrong.empty()) {
     throw error(wrong);
+  }
+  if (answer) {
+    const std::string packet = auth_answer_packet(*answer);
+    if (const int err = send_packet(sock.get(), packet.data(), packet.size(), nullptr, 0, deadline,
+                                    stopping_)) {
+      throw error("sending our answer to its challenge: " +
+                  io_text(err, "the peer closed the connection"));
+    }
   }
   const std::string label = "w" + std::to_string(options_.self_id) + "->w" + std::to_string(id);
   Fd ring_fd = make_memfd("distrpc-shm ring " + label, kRingHeaderBytes + kDefaultRingCapacity);
@@ -175,8 +185,8 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
   if (const int err = recv_packet(sock.get(), ack, deadline, stopping_)) {
     throw error("waiting for it to adopt the shared ring: " +
                 io_text(err,
-                        "the peer closed the connection (it refused our shared memory: "
-                        "see its log)"));
+                        "the peer closed the connection (it refused our answer to its "
+                        "challenge or our shared memory: see its log)"));
   }
   AckPacket a{};
   if (ack.data.size() != sizeof a || !ack.fds.empty()) {

@@ -143,7 +143,9 @@ struct PendingHandshake {
   std::string remote;
   Clock::time_point deadline;
   bool hello_done = false;
+  bool answer_needed = false;  // a secret is configured and the dialler has not yet proved it
   wire::Hello hello;
+  wire::Hello mine;  // the Hello sent back: its nonce is what the dialler's answer must cover
 };
 
 }  // namespace distrpc::transport::shm::detail

@@ -46,7 +46,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
  public:
   Impl(const TransportOptions& options, TransportCallbacks callbacks)
       : options_(options), callbacks_(std::move(callbacks)), spin_us_(spin_us_from_env()) {
-    if (!options_.auth_token.empty()) token_ = options_.auth_token;
+    token_ = transport::detail::transport_secret(options_);
     if (!memfd_usable()) {
       throw DistNetworkError("distrpc shm: " + self_text() +
                              ": shared memory is not usable here (memfd_create with sealing "

@@ -132,9 +132,10 @@ inline bool Impl::handshake_step(PendingHandshake& h) {
     if (!h.hello_done) {
       if (!pkt.fds.empty()) throw wire::ProtocolError("the Hello packet carries descriptors");
       h.hello = parse_hello_packet(pkt.data);
-      wire::verify_auth_token(h.hello, token_);
+      wire::check_auth_offer(h.hello, token_.has_value());
       check_claimed_identity(h.hello);
-      const std::string reply = hello_packet(my_hello());
+      h.mine = wire::make_acceptor_hello(my_hello(), h.hello, token_);
+      const std::string reply = hello_packet(h.mine);
       const int fd = wake_efd_.get();
       if (const int err = send_packet(h.sock.get(), reply.data(), reply.size(), &fd, 1, h.deadline,
                                       stopping_)) {
@@ -142,6 +143,15 @@ inline bool Impl::handshake_step(PendingHandshake& h) {
         return false;
       }
       h.hello_done = true;
+      h.answer_needed = token_.has_value();
+      return true;
+    }
+    if (h.answer_needed) {
+      // With a secret, the dialler proves it before it may hand over its ring.
+      if (!pkt.fds.empty()) throw wire::ProtocolError("the answer packet carries descriptors");
+      const wire::auth::Proof answer = parse_auth_answer_packet(pkt.data, wire::hello_who(h.hello));
+      wire::verify_dialler_answer(h.mine, h.hello, answer, *token_);
+      h.answer_needed = false;
       return true;
     }
     adopt_incoming(h, pkt);

@@ -29,7 +29,8 @@ inline constexpr int kDefaultSpinUs = 200;
 inline constexpr auto kSocketPollPeriod = std::chrono::microseconds(500);
 // A writer waiting for ring space spins this long before it sleeps.
 inline constexpr auto kWriterSpin = std::chrono::microseconds(50);
-// A handshake frame is a Hello: name and token are bounded by the wire layer, so this is ample.
+// A handshake frame is a Hello or an AuthAnswer: their fields are bounded by the wire layer, so
+// this is ample.
 inline constexpr std::uint64_t kMaxHelloFrameBytes = 8 * 1024;
 
 // Packets on the Unix socket after the Hello exchange.
@@ -84,6 +85,27 @@ inline wire::Hello parse_hello_packet(const std::string& data) {
   }
   std::memcpy(m.payload.data(), data.data() + used, m.payload.size());
   return wire::decode_hello(m);
+}
+
+// The dialler's AuthAnswer packet (with a secret only): one frame, like a Hello packet.
+inline std::string auth_answer_packet(const wire::auth::Proof& proof) {
+  const wire::Message m = wire::encode_auth_answer(proof);
+  return wire::encode_frame_header(m) + m.payload;
+}
+
+// Throws ProtocolError naming `who` when the packet is not an AuthAnswer frame.
+inline wire::auth::Proof parse_auth_answer_packet(const std::string& data, const std::string& who) {
+  wire::FrameDecoder d(hello_limits());
+  const std::size_t used = d.feed(data.data(), data.size());
+  if (!d.done()) throw wire::ProtocolError("the answer packet is shorter than a frame header");
+  wire::Message m = wire::allocate_message(d.header());
+  if (data.size() - used != m.payload.size()) {
+    throw wire::ProtocolError("the answer packet holds " + std::to_string(data.size() - used) +
+                              " payload bytes, its header says " +
+                              std::to_string(m.payload.size()));
+  }
+  std::memcpy(m.payload.data(), data.data() + used, m.payload.size());
+  return wire::decode_auth_answer(m, who);
 }
 
 inline std::string peer_credentials(int fd) {
