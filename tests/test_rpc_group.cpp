@@ -292,8 +292,14 @@ namespace {
 // The documented failures of a call made while (or after) its agent stops and is destroyed:
 // RpcGroup's own refusal once shut down, the stopped agent's refusals ("RPC agent of W is shut
 // down: ...", "... shut down before the reply", "... is shutting down: ..."), call()'s refusal on
-// a stopped agent, and to_here() on a user RRef the stop released.
+// a stopped agent, and to_here() on a user RRef the stop released; to_here() of an RRef whose
+// creation failed so names the creation around it.
 bool shut_down_text(const std::string& e) {
+  const std::string creation = "Error occurred during RRef creation of ";
+  const std::string via = " via distrpc::remote() on WorkerInfo(id=0, name=ps): ";
+  if (e.rfind(creation, 0) == 0 && e.find(via) != std::string::npos) {
+    return shut_down_text(e.substr(e.find(via) + via.size()));
+  }
   const std::string agent = "RPC agent of WorkerInfo(id=1, name=trainer) ";
   const std::string deleted = "has been deleted. Cannot call to_here() on it after deletion.";
   return e == "RPC has not been initialized: the agent was shut down (RpcGroup::shutdown() was "
