@@ -2,7 +2,10 @@
 // side, each runs only what its own registry holds (and the library's own functions), a handler
 // calls back through the agent that runs it, use() picks the agent of the free functions and of
 // RRefs, a held agent works beside the process's init_rpc agent, and diagnostics reach the log
-// sink naming the worker. Everything runs on loopback TCP; every wait is bounded.
+// sink naming the worker, and an agent stopped and destroyed while user threads are inside sends
+// and hold RRefs fails their calls with its documented texts and is never touched after it is
+// freed (this binary runs under AddressSanitizer in tests/run.sh). Everything runs on loopback
+// TCP; every wait is bounded.
 #include <unistd.h>
 
 #include <atomic>
@@ -14,6 +17,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -280,4 +285,187 @@ TEST_CASE("Who can call what: serve_exposed_only, and no builtin operators by de
   REQUIRE(both.wait_for(30s) == std::future_status::ready);
   CHECK(both.get().at("client") == "c");
   shutdown_pair(s, client);
+}
+
+namespace {
+
+// The documented failures of a call made while (or after) its agent stops and is destroyed:
+// RpcGroup's own refusal once shut down, the stopped agent's refusals ("RPC agent of W is shut
+// down: ...", "... shut down before the reply", "... is shutting down: ..."), call()'s refusal on
+// a stopped agent, and to_here() on a user RRef the stop released; to_here() of an RRef whose
+// creation failed so names the creation around it.
+bool shut_down_text(const std::string& e) {
+  const std::string creation = "Error occurred during RRef creation of ";
+  const std::string via = " via distrpc::remote() on WorkerInfo(id=0, name=ps): ";
+  if (e.rfind(creation, 0) == 0 && e.find(via) != std::string::npos) {
+    return shut_down_text(e.substr(e.find(via) + via.size()));
+  }
+  const std::string agent = "RPC agent of WorkerInfo(id=1, name=trainer) ";
+  const std::string deleted = "has been deleted. Cannot call to_here() on it after deletion.";
+  return e == "RPC has not been initialized: the agent was shut down (RpcGroup::shutdown() was "
+              "called)" ||
+         (e.rfind(agent, 0) == 0 && (e.find(" is shut down: ") == agent.size() - 1 ||
+                                     e == agent + "shut down before the reply" ||
+                                     e.find(" is shutting down: ") == agent.size() - 1)) ||
+         e.rfind("RPC has not been initialized or has been shut down: cannot call ", 0) == 0 ||
+         (e.rfind("User RRef with RRefId=", 0) == 0 && e.size() > deleted.size() &&
+          e.compare(e.size() - deleted.size(), deleted.size(), deleted) == 0);
+}
+
+// What one user thread did while the agent went: every call it issued either completed with the
+// right value or failed with a documented text.
+struct SendLoad {
+  int issued = 0;
+  int completed = 0;
+  int failed = 0;
+  std::vector<std::string> unexpected;  // failures with any other text
+
+  void fail(const std::string& e) {
+    ++failed;
+    if (!shut_down_text(e)) unexpected.push_back(e);
+  }
+  // A call's future: bounded wait (none may hang), then its value or its documented error.
+  void settle(distrpc::Future<int>& f, int expected) {
+    if (!f.wait_for(30s)) {
+      unexpected.push_back("a call's future did not complete within 30 s");
+      return;
+    }
+    try {
+      const int v = f.value();
+      if (v == expected) {
+        ++completed;
+      } else {
+        unexpected.push_back("wrong value " + std::to_string(v));
+      }
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("An agent stopped and destroyed while user threads are inside sends") {
+  auto registry = std::make_shared<distrpc::Registry>();
+  registry->add<&group_test::negate>();
+  auto pair = join_pair(registry, registry);
+  RpcGroup& ps = pair.first;
+  RpcGroup& trainer = pair.second;
+  std::weak_ptr<distrpc::RpcAgent> agent = trainer.agent();
+
+  // Held across the agent's destruction, as a user thread inside an RRef operation holds it: the
+  // RRef bookkeeping then outlives the agent, and must not reach it any more.
+  auto rrefs = distrpc::detail::rref_context_of(*trainer.agent());
+  distrpc::RRef<int> user_ref;
+  distrpc::RRef<int> owned_ref;
+  {
+    const auto current = trainer.use();
+    user_ref = distrpc::remote<&group_test::negate>("ps", 5);
+    CHECK(user_ref.to_here() == -5);
+    owned_ref = distrpc::RRef<int>(7);
+  }
+
+  constexpr int kThreads = 4;
+  std::atomic<bool> stop{false};
+  std::vector<SendLoad> loads(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      SendLoad& load = loads[t];
+      // Calls and RRefs still in flight, settled and dropped after the agent is gone (RRef
+      // destructors then run late, on this user thread).
+      std::vector<std::pair<distrpc::Future<int>, int>> calls;
+      std::vector<std::pair<distrpc::RRef<int>, int>> refs;
+      for (int i = 1; !stop.load(); ++i) {
+        const int x = t * 1000000 + i;
+        ++load.issued;
+        try {
+          calls.emplace_back(trainer.rpc_async<&group_test::negate>("ps", x), -x);
+        } catch (const std::exception& e) {
+          load.fail(e.what());
+        }
+        ++load.issued;
+        try {
+          const auto current = trainer.use();
+          refs.emplace_back(distrpc::remote<&group_test::negate>("ps", x), -x);
+        } catch (const std::exception& e) {
+          load.fail(e.what());
+        }
+        // A remote() is settled by its to_here(): some at once, then dropped (a delete sent from
+        // this thread), the others at the end.
+        if (i % 3 == 0 && !refs.empty()) {
+          auto [r, expected] = std::move(refs.back());
+          refs.pop_back();
+          try {
+            const int v = r.to_here(30s);
+            if (v == expected) {
+              ++load.completed;
+            } else {
+              load.unexpected.push_back("wrong to_here() value " + std::to_string(v));
+            }
+          } catch (const std::exception& e) {
+            load.fail(e.what());
+          }
+        }
+        if (calls.size() > 64) {
+          load.settle(calls.front().first, calls.front().second);
+          calls.erase(calls.begin());
+        }
+      }
+      for (auto& [f, expected] : calls) load.settle(f, expected);
+      for (auto& [r, expected] : refs) {
+        try {
+          const int v = r.to_here(30s);
+          if (v == expected) {
+            ++load.completed;
+          } else {
+            load.unexpected.push_back("wrong to_here() value " + std::to_string(v));
+          }
+        } catch (const std::exception& e) {
+          load.fail(e.what());
+        }
+      }
+      refs.clear();  // the last destructors, after the agent is gone
+    });
+  }
+
+  std::this_thread::sleep_for(300ms);  // calls flowing
+  trainer.shutdown(/*graceful=*/false);
+  // The agent goes with the last user thread that held it inside a call.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (!agent.expired() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(agent.expired());
+  std::this_thread::sleep_for(100ms);  // user threads keep calling into the destroyed agent
+  stop = true;
+  for (auto& th : threads) th.join();
+
+  int issued = 0;
+  int completed = 0;
+  int failed = 0;
+  for (const auto& load : loads) {
+    issued += load.issued;
+    completed += load.completed;
+    failed += load.failed;
+    for (const auto& e : load.unexpected) FAIL_CHECK("unexpected: " << e);
+  }
+  MESSAGE(issued << " calls issued: " << completed << " completed, " << failed << " failed");
+  CHECK(issued == completed + failed);
+  CHECK(completed > 0);  // calls went through before the stop
+  CHECK(failed > 0);     // and were refused after it
+
+  // The bookkeeping held past the agent: every operation fails with the agent's own text or
+  // works locally, none reaches the freed agent.
+  REQUIRE(rrefs != nullptr);
+  CHECK(error_of([&] { (void)user_ref.type_name(); }) ==
+        "RPC agent of WorkerInfo(id=1, name=trainer) is shut down: type query of " +
+            user_ref.str() + " not sent");
+  CHECK(shut_down_text(error_of([&] { (void)user_ref.to_here(); })));
+  CHECK(owned_ref.local_value() == 7);
+  CHECK(owned_ref.to_here() == 7);
+  user_ref = {};  // the user RRef's destructor: nothing is sent, nothing is touched
+  owned_ref = {};
+  rrefs.reset();
+  ps.shutdown(/*graceful=*/false);
 }

@@ -93,10 +93,16 @@ class RpcAgent : public AgentServices,
         // Callbacks may block on nested calls: this pool grows instead of starving them.
         callback_pool_("rpc-callback", 2, 1024, std::chrono::seconds(10),
                        [this] { detail::tls_current_agent = this; }),
+        gate_(std::make_shared<detail::HostGate>(*this, members_.self())),
         extensions_(make_agent_extensions(*this)),
         calls_([this](std::function<void()> fn) { return callback_pool_.post(std::move(fn)); }) {}
 
-  ~RpcAgent() override { calls_.stop(); }
+  // The most derived destructor stops the agent and closes the gate first (Agent<T>): its
+  // transport is gone by the time this runs. Closed again here for any other derived class.
+  ~RpcAgent() override {
+    gate_->close();
+    calls_.stop();
+  }
   RpcAgent(const RpcAgent&) = delete;
   RpcAgent& operator=(const RpcAgent&) = delete;
 
@@ -231,13 +237,10 @@ class RpcAgent : public AgentServices,
   }
 
   // Where user callbacks of the futures this agent hands out run: its callback pool.
-  auto callback_executor() {
-    return [this](std::function<void()> fn) {
-      if (!callback_pool_.post(std::move(fn))) {
-        throw RpcError("RPC agent of " + self().str() + " is shut down: callback dropped");
-      }
-    };
-  }
+  // Kept in the futures handed to users, which may outlive the agent: it reaches the pool through
+  // the gate, and refuses ("RPC agent of W is shut down: callback dropped") once the agent is
+  // stopped or gone.
+  detail::ExecutorFn callback_executor() { return gate_->user_executor(); }
 
   // The store the group met through; kept for the exit barrier of a graceful shutdown.
   void set_store(std::shared_ptr<store::Store> s) { members_.set_store(std::move(s)); }
@@ -322,6 +325,18 @@ class RpcAgent : public AgentServices,
   }
 
   bool stopped() const { return stopped_.load(); }
+
+ protected:
+  // Destructors only, after stop(): closes the gate (detail::HostGate), then fails every call
+  // still in the table. One that raced past stop()'s check and was added after stop() failed the
+  // pending ones (its send met the closing transport without an error) would otherwise never
+  // complete; nobody can add one now.
+  void close_gate() {
+    gate_->close();
+    fail_pending_calls();
+  }
+
+ public:
   // The store this agent met through (null once stopped): rpc_store.hpp shares it with process
   // groups.
   const std::shared_ptr<store::Store>& store() const { return members_.store(); }
@@ -400,6 +415,7 @@ class RpcAgent : public AgentServices,
   WorkCounters counters() const { return calls_.counters(); }
 
   // ---- AgentServices (what the layers plugged in use) ------------------------------------------
+  std::shared_ptr<detail::HostGate> host_gate() const override { return gate_; }
   const WorkerInfo& host_self() const override { return self(); }
   WorkerInfo host_worker(int id) const override { return worker(id); }
   milliseconds host_timeout(milliseconds requested) const override {
@@ -668,7 +684,7 @@ class RpcAgent : public AgentServices,
     }
   }
 
-  // Fails every call still waiting for a reply (local stop).
+  // Fails every call still waiting for a reply (local stop, and the destructor).
   void fail_pending_calls() {
     for (const auto& [id, what] : calls_.calls_to(-1)) {
       fail_call(id, std::make_exception_ptr(
@@ -975,6 +991,8 @@ class RpcAgent : public AgentServices,
 
   ThreadPool request_pool_;
   ThreadPool callback_pool_;
+  // How the layers reach this agent (extension.hpp, detail::HostGate): closed by the destructor.
+  const std::shared_ptr<detail::HostGate> gate_;
   // The layers plugged in (extension.hpp), one instance each, in id order.
   const std::vector<std::shared_ptr<AgentExtension>> extensions_;
   // Last: its timer posts timed tasks to the callback pool, so it stops before the pools go.
@@ -998,6 +1016,9 @@ class Agent final : public RpcAgent {
     } catch (...) {
       // A destructor must not throw; stop(false) does no store work.
     }
+    // Before any member goes (the transport first): a layer's call still inside the stopped
+    // agent (a user thread's RRef delete, a late callback) finishes, later ones are refused.
+    close_gate();
   }
 
   std::string transport_name() const override { return std::string(T::name); }

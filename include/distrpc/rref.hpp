@@ -139,7 +139,7 @@ class RRef {
     T out{};
     detail::RRefDecodeScope scope{ctx, i.owner.id, {}};
     detail::DecodeScopeGuard guard(detail::tls_rref_decode, &scope);
-    ctx->host().host_decode_reply(i.owner.id, sent, [&] { wire::decode(m, out); });
+    ctx->decode_reply(i.owner.id, sent, [&] { wire::decode(m, out); });
     return out;
   }
 
@@ -166,7 +166,7 @@ class RRef {
   std::string type_name(std::chrono::milliseconds timeout = kUnsetRpcTimeout) const {
     auto f = type_name_async();
     auto ctx = impl().ctx.lock();
-    const auto limit = ctx ? ctx->host().host_timeout(timeout) : timeout;
+    const auto limit = ctx ? ctx->timeout_for(timeout) : timeout;
     if (limit.count() > 0 && !f.wait_for(limit)) {
       throw RpcTimeoutError(timeout_text(limit) + " (type query of " + str() + ")");
     }
@@ -313,7 +313,7 @@ class RRef {
     const auto& i = impl();
     auto ctx = i.ctx.lock();
     const auto limit =
-        ctx ? ctx->host().host_timeout(timeout) : (timeout.count() < 0 ? kNoRpcTimeout : timeout);
+        ctx ? ctx->timeout_for(timeout) : (timeout.count() < 0 ? kNoRpcTimeout : timeout);
     i.cell->wait(limit, i.str());
     if (i.cell->ops->type_hash != detail::type_hash_of<T>()) {
       throw RpcError(i.str() + " holds a '" + i.cell->ops->type_name + "', not a '" +

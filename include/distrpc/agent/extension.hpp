@@ -5,10 +5,13 @@
 // request modes it owns, peer loss, the steps of a graceful shutdown, debug info.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,14 +22,23 @@
 #include "distrpc/function_ref.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
+#include "distrpc/rpc_error.hpp"
 #include "distrpc/wire.hpp"
 #include "distrpc/worker_info.hpp"
 
 namespace distrpc {
 
-// What the agent offers the layers plugged into it.
+namespace detail {
+class HostGate;
+}
+
+// What the agent offers the layers plugged into it. A layer reaches these through the agent's
+// gate (host_gate(), detail::HostGate), never through a reference kept from its construction:
+// the layer's objects may outlive the agent.
 class AgentServices {
  public:
+  // The gate every later use of these services goes through (see detail::HostGate).
+  virtual std::shared_ptr<detail::HostGate> host_gate() const = 0;
   virtual const WorkerInfo& host_self() const = 0;
   virtual WorkerInfo host_worker(int id) const = 0;
   virtual std::chrono::milliseconds host_timeout(std::chrono::milliseconds requested) const = 0;
@@ -78,6 +90,133 @@ class AgentServices {
  protected:
   virtual ~AgentServices() = default;
 };
+
+namespace detail {
+
+// How the layers plugged into an agent reach it. Their objects can outlive the agent: a user thread
+// may drop its last RRef, call to_here(), or add a callback to a future it kept, while another
+// thread destroys the agent, and the layer then holds the bookkeeping (a shared_ptr) but not the
+// agent. So no layer keeps the agent by reference: each use takes a pass (enter()), the agent's
+// destructor closes the gate after its stop() (close()) and waits for the passes still out before
+// its memory goes. Those are short library calls into a stopped agent (which fails them at once),
+// never user code waiting on the network, so the wait is short. After close(), enter() gives an
+// empty pass and the layer fails its call with shut_down_text() or drops what it meant to send.
+// A pass is a counter, not a lock: passes nest, and any number of threads hold one at once.
+class HostGate : public std::enable_shared_from_this<HostGate> {
+ public:
+  // `self`: the agent's own worker, for error texts once the agent is gone.
+  HostGate(AgentServices& host, WorkerInfo self) : host_(&host), self_(std::move(self)) {}
+  HostGate(const HostGate&) = delete;
+  HostGate& operator=(const HostGate&) = delete;
+
+  class Pass {
+   public:
+    Pass() = default;
+    Pass(Pass&& o) noexcept : gate_(o.gate_) { o.gate_ = nullptr; }
+    Pass& operator=(Pass&& o) noexcept {
+      if (this != &o) {
+        if (gate_ != nullptr) gate_->leave();
+        gate_ = o.gate_;
+        o.gate_ = nullptr;
+      }
+      return *this;
+    }
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+    ~Pass() {
+      if (gate_ != nullptr) gate_->leave();
+    }
+    explicit operator bool() const { return gate_ != nullptr; }
+    AgentServices* operator->() const { return gate_->host_; }
+    AgentServices& operator*() const { return *gate_->host_; }
+
+   private:
+    friend class HostGate;
+    explicit Pass(HostGate* g) : gate_(g) {}
+    HostGate* gate_ = nullptr;
+  };
+
+  // A pass while the agent exists; an empty one once its destructor closed the gate.
+  Pass enter() {
+    // Counted before the check (both sequentially consistent): close() either sees this pass
+    // in `inside_`, or this thread sees `closed_` and backs out.
+    inside_.fetch_add(1);
+    if (closed_.load()) {
+      leave_uncounted();
+      return Pass();
+    }
+    mine().push_back(this);
+    return Pass(this);
+  }
+
+  // The agent is going (its destructor, after stop()): no pass is given from now on, and the
+  // passes still out are waited for. Those this very thread holds are not waited for (the agent
+  // destroyed from inside one of its own calls would otherwise wait for itself). Idempotent.
+  void close() {
+    closed_.store(true);
+    std::int64_t own = 0;
+    for (const HostGate* g : mine()) own += g == this ? 1 : 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return inside_.load() <= own; });
+  }
+
+  bool closed() const { return closed_.load(); }
+  const WorkerInfo& self() const { return self_; }
+  // The agent's own text for a refusal after its stop: "RPC agent of W is shut down: <what>".
+  std::string shut_down_text(const std::string& what) const {
+    return "RPC agent of " + self_.str() + " is shut down: " + what;
+  }
+
+  // Where callbacks of futures handed to users run (the agent's callback pool). The executor is
+  // kept in those futures, which outlive the agent: it reaches the pool through the gate, and
+  // once the agent is gone it refuses as a stopped pool does (the callback fails with the text).
+  ExecutorFn user_executor() {
+    return [gate = shared_from_this()](std::function<void()> fn) {
+      auto pass = gate->enter();
+      if (!pass || !pass->host_post(std::move(fn))) {
+        throw RpcError(gate->shut_down_text("callback dropped"));
+      }
+    };
+  }
+  // The wait driver of futures handed to users (none once the agent is gone).
+  std::weak_ptr<WaitDriver> wait_driver() {
+    auto pass = enter();
+    if (!pass) return {};
+    return pass->host_wait_driver();
+  }
+
+ private:
+  static std::vector<const HostGate*>& mine() {
+    thread_local std::vector<const HostGate*> held;
+    return held;
+  }
+  void leave() {
+    auto& held = mine();
+    for (auto it = held.rbegin(); it != held.rend(); ++it) {
+      if (*it == this) {
+        held.erase(std::next(it).base());
+        break;
+      }
+    }
+    leave_uncounted();
+  }
+  void leave_uncounted() {
+    if (inside_.fetch_sub(1) == 1 && closed_.load()) {
+      // Under the mutex: close() is then either before its check or inside its wait.
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+  }
+
+  AgentServices* const host_;
+  const WorkerInfo self_;
+  std::atomic<std::int64_t> inside_{0};
+  std::atomic<bool> closed_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+}  // namespace detail
 
 // A layer plugged into the agent. Hooks run on library threads (a pool thread, or a transport
 // thread where said); none runs user code or blocks on the network.

@@ -122,7 +122,10 @@ class AutogradLayer final : public AgentExtension,
   // passes elsewhere answer well within it; a long one costs this much spinning once).
   static constexpr std::chrono::milliseconds kBackwardDrive{2};
 
-  explicit AutogradLayer(AgentServices& host) : host_(host) {}
+  // The agent is reached through its gate only (agent/extension.hpp, distrpc::detail::HostGate):
+  // this layer outlives the agent when a user thread releases a context (or waits for a
+  // backward) while another destroys the agent.
+  explicit AutogradLayer(AgentServices& host) : gate_(host.host_gate()) {}
 
   // The wire type of control kind `k` (e.g. for a fault-injecting transport in tests).
   static constexpr wire::MessageType message_type(Kind k) {
@@ -146,7 +149,7 @@ class AutogradLayer final : public AgentExtension,
 
   ContextContainer& contexts() {
     std::call_once(container_once_,
-                   [&] { container_ = std::make_unique<ContextContainer>(host_.host_self().id); });
+                   [&] { container_ = std::make_unique<ContextContainer>(self_id()); });
     return *container_;
   }
 
@@ -199,9 +202,11 @@ class AutogradLayer final : public AgentExtension,
       // then wakes no other thread, and gradients coming back for this worker run their pass on
       // this thread (receive_gradients) instead of waking a pool thread.
       WaitingScope waiting(origin.backward_id);
-      host_.host_drive([&done] { return done.done(); },
-                       std::chrono::steady_clock::now() + kBackwardDrive);
-      distrpc::detail::set_wait_driver(done, host_.host_wait_driver());
+      if (auto pass = gate_->enter()) {
+        pass->host_drive([&done] { return done.done(); },
+                         std::chrono::steady_clock::now() + kBackwardDrive);
+      }
+      distrpc::detail::set_wait_driver(done, gate_->wait_driver());
       done.wait();
       done.value();
     } catch (...) {
@@ -339,8 +344,10 @@ class AutogradLayer final : public AgentExtension,
   void on_peer_lost(int peer) override {
     for (auto& t : trackers()) {
       if (!t->waits_for(peer)) continue;
-      t->fail(std::make_exception_ptr(std::runtime_error("worker " + host_.host_worker(peer).name +
-                                                         " (id " + std::to_string(peer) +
+      std::string name = std::to_string(peer);
+      if (auto pass = gate_->enter()) name = pass->host_worker(peer).name;
+      t->fail(std::make_exception_ptr(std::runtime_error("worker " + name + " (id " +
+                                                         std::to_string(peer) +
                                                          ") was lost during the backward pass")));
     }
   }
@@ -462,7 +469,7 @@ class AutogradLayer final : public AgentExtension,
     return out;
   }
 
-  int self_id() const { return host_.host_self().id; }
+  int self_id() const { return gate_->self().id; }
 
   std::int64_t next_message_id() {
     const std::int64_t n = next_message_.fetch_add(2);
@@ -530,9 +537,11 @@ class AutogradLayer final : public AgentExtension,
     }
     Future<wire::Message> reply;
     try {
-      reply = host_.host_control_call(
-          recv.from(), control_type(kGradients), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
-          "gradients of autograd context " + std::to_string(context_id));
+      const std::string what = "gradients of autograd context " + std::to_string(context_id);
+      auto pass = gate_->enter();
+      if (!pass) throw RpcError(gate_->shut_down_text(what + " not sent"));
+      reply = pass->host_control_call(recv.from(), control_type(kGradients), std::move(m),
+                                      pass->host_timeout(kUnsetRpcTimeout), what);
     } catch (...) {
       reply = make_exceptional_future<wire::Message>(std::current_exception());
     }
@@ -576,8 +585,10 @@ class AutogradLayer final : public AgentExtension,
     wire::encode(m, origin.backward_id, processed, sent.ids, sent.dsts, error);
     Future<wire::Message> reply;
     try {
-      reply = host_.host_control_call_retrying(
-          origin.root, control_type(kReport), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+      auto pass = gate_->enter();
+      if (!pass) return;  // the agent is gone: nobody here waits for the report
+      reply = pass->host_control_call_retrying(
+          origin.root, control_type(kReport), std::move(m), pass->host_timeout(kUnsetRpcTimeout),
           "report of a backward pass", kCleanupAttempts, kCleanupBackoff);
     } catch (...) {
       return;  // the root is lost or this agent stops: nobody waits for the report
@@ -640,7 +651,8 @@ class AutogradLayer final : public AgentExtension,
       task();
       return out;
     }
-    if (!host_.host_post(std::move(task))) {
+    auto pass = gate_->enter();
+    if (!pass || !pass->host_post(std::move(task))) {
       throw std::runtime_error(dist_autograd::detail::node_error_text(
           self_id(), "the agent of worker " + std::to_string(self_id()) +
                          " is stopping: backward pass not run"));
@@ -686,7 +698,8 @@ class AutogradLayer final : public AgentExtension,
     }
     if (!schedule) return;
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
-    if (!host_.host_after(kCleanupBatchDelay, [weak] {
+    auto pass = gate_->enter();
+    if (!pass || !pass->host_after(kCleanupBatchDelay, [weak] {
           if (auto s = weak.lock()) s->flush_cleanup();
         })) {
       std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
@@ -714,8 +727,10 @@ class AutogradLayer final : public AgentExtension,
     const std::string what = "release of " + std::to_string(ids.size()) + " autograd context(s)";
     Future<wire::Message> reply;
     try {
-      reply = host_.host_control_call_retrying(worker, control_type(kCleanup), std::move(m),
-                                               host_.host_timeout(kUnsetRpcTimeout), what,
+      auto pass = gate_->enter();
+      if (!pass) return;  // the agent is gone: so is every context it could release
+      reply = pass->host_control_call_retrying(worker, control_type(kCleanup), std::move(m),
+                                               pass->host_timeout(kUnsetRpcTimeout), what,
                                                kCleanupAttempts, kCleanupBackoff);
     } catch (...) {
       reply = make_exceptional_future<wire::Message>(std::current_exception());
@@ -725,12 +740,13 @@ class AutogradLayer final : public AgentExtension,
       if (!r.has_error()) return;
       auto self = weak.lock();
       if (!self || self->stopping_.load()) return;
-      distrpc::detail::log_warning(self->host_.host_self().name,
+      distrpc::detail::log_warning(self->gate_->self().name,
                                    dist_autograd::detail::message_of(r.exception_ptr()));
     });
   }
 
-  AgentServices& host_;
+  // The agent, reached only through passes (see the constructor).
+  const std::shared_ptr<distrpc::detail::HostGate> gate_;
   std::once_flag container_once_;
   std::unique_ptr<ContextContainer> container_;
   std::atomic<std::int64_t> next_message_{0};

@@ -238,12 +238,30 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   using ImplPtr = std::shared_ptr<detail::RRefImpl>;
   using CellPtr = std::shared_ptr<detail::OwnerCell>;
 
-  explicit RRefContext(AgentServices& host) : host_(host) {}
+  // The agent is reached through its gate only (agent/extension.hpp, detail::HostGate): this
+  // context outlives it whenever a user thread holds it (an RRef being dropped, to_here() under
+  // way) while the agent is destroyed.
+  explicit RRefContext(AgentServices& host) : gate_(host.host_gate()) {}
   RRefContext(const RRefContext&) = delete;
   RRefContext& operator=(const RRefContext&) = delete;
 
-  const WorkerInfo& self() const { return host_.host_self(); }
-  AgentServices& host() { return host_; }
+  const WorkerInfo& self() const { return gate_->self(); }
+
+  // The timeout a call made now uses (the agent's effective_timeout()); once the agent is gone,
+  // `requested` itself, the unset one meaning no limit.
+  std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const {
+    if (auto pass = gate_->enter()) return pass->host_timeout(requested);
+    return requested.count() < 0 ? kNoRpcTimeout : requested;
+  }
+  // Decodes the reply of a fetch from `from` in the layers' scopes (AgentServices::
+  // host_decode_reply); throws the agent's shut-down text once the agent is gone.
+  void decode_reply(int from, const CallAttachments& sent, FunctionRef<void()> decode) {
+    auto pass = gate_->enter();
+    if (!pass)
+      throw RpcError(gate_->shut_down_text("the reply from worker " + std::to_string(from) +
+                                           " was not decoded"));
+    pass->host_decode_reply(from, sent, decode);
+  }
 
   // ---- the agent's extension points (agent/extension.hpp) -----------------------------------
   static constexpr int kExtensionId = 0;          // control kinds 0..15: rref_message_type()
@@ -390,8 +408,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // The reply to the remote() request arrived (or the call failed): confirm, or record why not.
   void finish_remote(const ImplPtr& impl, const Future<wire::Message>& reply) {
     Future<void> created;
-    detail::set_callback_executor(created, host_.host_user_executor());
-    detail::set_wait_driver(created, host_.host_wait_driver());
+    detail::set_callback_executor(created, gate_->user_executor());
+    detail::set_wait_driver(created, gate_->wait_driver());
     impl->created = created;
     auto weak = weak_from_this();
     reply.add_done_callback([weak, impl, created](const Future<wire::Message>& r) {
@@ -508,7 +526,14 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     auto impl = std::make_shared<Impl>();
     impl->id = d.rref_id;
     impl->fork_id = d.fork_id;
-    impl->owner = host_.host_worker(d.owner);
+    {
+      auto pass = gate_->enter();
+      if (!pass) {
+        throw RpcError(gate_->shut_down_text("an RRef from worker " + std::to_string(parent) +
+                                             " was not received"));
+      }
+      impl->owner = pass->host_worker(d.owner);
+    }
     impl->type_hash = d.type_hash;
     impl->ctx = weak_from_this();
     impl->created = make_ready_future();
@@ -629,18 +654,24 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
         auto cell = cell_for_query(id, unrun);
         if (unrun) return make_exceptional_future<wire::Message>(unrun);
         auto ctx = shared_from_this();
-        return cell->ready.then(
-            [cell, ctx, peer, type_hash, got = std::move(got)](const Future<void>& done) {
-              done.wait();
-              check_type(*cell, type_hash);
-              wire::Message out;
-              out.type = wire::MessageType::Response;
-              detail::RRefEncodeScope scope{ctx, peer, {}};
-              detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
-              ctx->host_.host_encode_reply(peer, got,
-                                           [&] { cell->ops->encode(out, cell->value.get()); });
-              return out;
-            });
+        return cell->ready.then([cell, ctx, peer, type_hash,
+                                 got = std::move(got)](const Future<void>& done) {
+          done.wait();
+          check_type(*cell, type_hash);
+          wire::Message out;
+          out.type = wire::MessageType::Response;
+          // The value may come long after the fetch, on any thread: the agent may be gone.
+          auto pass = ctx->gate_->enter();
+          if (!pass) {
+            throw RpcError(ctx->gate_->shut_down_text("the value of RRef " + cell->id.str() +
+                                                      " was not sent to worker " +
+                                                      std::to_string(peer)));
+          }
+          detail::RRefEncodeScope scope{ctx, peer, {}};
+          detail::EncodeScopeGuard guard(detail::tls_rref_encode, &scope);
+          pass->host_encode_reply(peer, got, [&] { cell->ops->encode(out, cell->value.get()); });
+          return out;
+        });
       }
       case RRefControl::TypeQuery: {
         RRefId id;
@@ -671,14 +702,19 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // (host_decode_reply).
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout,
                               CallAttachments* sent = nullptr) {
-    CallAttachments atts = host_.host_attach(impl->owner.id);
+    auto pass = gate_->enter();
+    if (!pass) {
+      return make_exceptional_future<wire::Message>(std::make_exception_ptr(
+          RpcError(gate_->shut_down_text("to_here() of " + impl->str() + " not sent"))));
+    }
+    CallAttachments atts = pass->host_attach(impl->owner.id);
     wire::Message m;
     wire::encode(m, impl->id, impl->type_hash, atts);
     if (sent != nullptr) *sent = std::move(atts);
     auto reply =
-        host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch), std::move(m),
-                                host_.host_timeout(timeout), "to_here() of " + impl->str());
-    detail::set_wait_driver(reply, host_.host_wait_driver());
+        pass->host_control_call(impl->owner.id, rref_message_type(RRefControl::Fetch), std::move(m),
+                                pass->host_timeout(timeout), "to_here() of " + impl->str());
+    detail::set_wait_driver(reply, pass->host_wait_driver());
     return reply;
   }
 
@@ -700,23 +736,31 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
       }
       impl->early_fetches.push_back(out);
     }
-    detail::set_wait_driver(out, host_.host_wait_driver());
+    detail::set_wait_driver(out, gate_->wait_driver());
     reply.add_done_callback([out](const Future<wire::Message>& r) { detail::copy_result(r, out); });
     return out;
   }
 
   Future<std::string> type_query(const ImplPtr& impl, std::chrono::milliseconds timeout) {
-    wire::Message m;
-    wire::encode(m, impl->id);
-    auto reply = host_.host_control_call(impl->owner.id, rref_message_type(RRefControl::TypeQuery),
-                                         std::move(m), host_.host_timeout(timeout),
-                                         "type query of " + impl->str());
+    Future<wire::Message> reply;
+    {
+      auto pass = gate_->enter();
+      if (!pass) {
+        return make_exceptional_future<std::string>(std::make_exception_ptr(
+            RpcError(gate_->shut_down_text("type query of " + impl->str() + " not sent"))));
+      }
+      wire::Message m;
+      wire::encode(m, impl->id);
+      reply = pass->host_control_call(impl->owner.id, rref_message_type(RRefControl::TypeQuery),
+                                      std::move(m), pass->host_timeout(timeout),
+                                      "type query of " + impl->str());
+    }
     Future<std::string> out = reply.then([](const Future<wire::Message>& r) {
       std::string name;
       wire::decode(r.value(), name);
       return name;
     });
-    detail::set_callback_executor(out, host_.host_user_executor());
+    detail::set_callback_executor(out, gate_->user_executor());
     return out;
   }
 
@@ -731,14 +775,15 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     const int owner = impl.owner.id;
     std::vector<detail::UserDeleteEntry> full_batch;
     {
-      // One section with close(): after it the agent may be gone, so the agent is touched (its
-      // step counter and timer, leaf locks) only while closed_ is known false; close() then finds
-      // the delete queued and ends the step itself.
+      // One section with close(): close() then finds the delete queued and ends the step itself.
+      // The agent itself (its step counter and timer, leaf locks) is reached through a pass: this
+      // runs on whatever thread drops the last handle, possibly after the agent was destroyed.
+      auto pass = gate_->enter();
       std::lock_guard<std::mutex> lk(mu_);
       users_.erase(impl.fork_id);
-      if (closed_ || impl.skip_delete.load()) return;
+      if (closed_ || !pass || impl.skip_delete.load()) return;
       ++pending_futures_;
-      host_.host_protocol_begin(1);
+      pass->host_protocol_begin(1);
       auto& q = delete_queue_[owner];
       q.push_back(detail::UserDeleteEntry{impl.id, impl.fork_id});
       ++queued_deletes_;
@@ -749,7 +794,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
       } else if (!flush_scheduled_) {
         // Refused once the agent stops; close() then drops what is queued.
         auto me = shared_from_this();
-        flush_scheduled_ = host_.host_after(kDeleteDelay, [me] { me->flush_deletes(); });
+        flush_scheduled_ = pass->host_after(kDeleteDelay, [me] { me->flush_deletes(); });
       }
     }
     if (!full_batch.empty()) send_user_deletes(owner, std::move(full_batch));
@@ -1074,7 +1119,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   }
 
   void protocol_steps_done(std::size_t n) {
-    host_.host_protocol_end(n);
+    // Once the agent is gone there is no join left to count for.
+    if (auto pass = gate_->enter()) pass->host_protocol_end(n);
     if ((pending_futures_ -= static_cast<std::int64_t>(n)) == 0) cv_.notify_all();
   }
 
@@ -1086,19 +1132,23 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // TypeQuery are not sent here, their failure goes to the user's call.
   void send(int to, RRefControl kind, wire::Message&& m,
             std::function<void(const Future<wire::Message>&)> on_done) {
-    bool closed = false;
-    {
+    // The pass spans the agent's part: a user thread dropping its last RRef gets here while
+    // another may destroy the agent; without one (the agent gone) it is a closed agent.
+    auto pass = gate_->enter();
+    bool closed = !pass;
+    if (!closed) {
       std::lock_guard<std::mutex> lk(mu_);
       closed = closed_;
     }
     if (closed) {
+      pass = {};
       on_done(make_exceptional_future<wire::Message>(std::make_exception_ptr(
           RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
                    " not sent: the RPC agent of " + self().str() + " shut down"))));
       return;
     }
     ++pending_futures_;
-    host_.host_protocol_begin(1);
+    pass->host_protocol_begin(1);
     auto me = shared_from_this();
     auto finish = [me, on_done](const Future<wire::Message>& r) {
       if (r.has_error()) {
@@ -1110,23 +1160,35 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     if (!transport::on_transport_thread()) {
       // A user or pool thread (an RRef dropped in user code): send from here. Waking a pool
       // thread to do it cost more than the message itself.
-      auto fut = host_.host_control_call_retrying(
-          to, rref_message_type(kind), std::move(m), host_.host_timeout(kUnsetRpcTimeout),
+      auto fut = pass->host_control_call_retrying(
+          to, rref_message_type(kind), std::move(m), pass->host_timeout(kUnsetRpcTimeout),
           std::string(rref_control_name(kind)), kControlAttempts, kControlFirstBackoff);
-      host_.host_protocol_end(1);
+      pass->host_protocol_end(1);
+      pass = {};  // the completion below is this layer's own code: no pass needed
       fut.add_done_callback(finish);
       return;
     }
     auto msg = std::make_shared<wire::Message>(std::move(m));
-    const bool posted = host_.host_post([me, to, kind, msg, finish] {
-      auto fut = me->host_.host_control_call_retrying(
-          to, rref_message_type(kind), std::move(*msg), me->host_.host_timeout(kUnsetRpcTimeout),
+    const bool posted = pass->host_post([me, to, kind, msg, finish] {
+      // A pool thread of the agent: it is joined before the agent goes, but the pass costs
+      // little and keeps one rule for every use.
+      auto p = me->gate_->enter();
+      if (!p) {
+        finish(make_exceptional_future<wire::Message>(std::make_exception_ptr(
+            RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
+                     " not sent: the RPC agent of " + me->self().str() + " shut down"))));
+        return;
+      }
+      auto fut = p->host_control_call_retrying(
+          to, rref_message_type(kind), std::move(*msg), p->host_timeout(kUnsetRpcTimeout),
           std::string(rref_control_name(kind)), kControlAttempts, kControlFirstBackoff);
-      me->host_.host_protocol_end(1);
+      p->host_protocol_end(1);
+      p = {};
       fut.add_done_callback(finish);
     });
     if (!posted) {
-      host_.host_protocol_end(1);
+      pass->host_protocol_end(1);
+      pass = {};
       finish(make_exceptional_future<wire::Message>(std::make_exception_ptr(
           RpcError(std::string(rref_control_name(kind)) + " to worker " + std::to_string(to) +
                    " dropped: the RPC agent of " + self().str() + " is shutting down"))));
@@ -1146,7 +1208,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     }
   }
 
-  AgentServices& host_;
+  // The agent, reached only through passes (see the constructor).
+  const std::shared_ptr<detail::HostGate> gate_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<RRefId, CellPtr> owners_;
