@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -637,6 +638,49 @@ DISTRPC_MP_TEST("distrpc backend: shutdown fails a pending recv and returns prom
   CHECK(error_of(w) ==
         "DistrpcBackend: recv from rank 1 (tag 99) failed: the backend was shut down");
   ctx.publish("done", "1");
+}
+
+// A Work callback runs on one of the backend's threads (the collectives' executor, the
+// point-to-point thread); one that drops the last reference destroys the backend there, and that
+// thread must leave its loop without touching the freed backend (AddressSanitizer builds catch a
+// slip).
+DISTRPC_MP_TEST("distrpc backend: a Work callback may drop the last reference to its backend", 2,
+                60) {
+  for (const std::string kind : {"allreduce", "recv"}) {
+    auto b = make_backend<Tcp>(ctx, 20s, {}, "store-" + kind);
+    std::vector<at::Tensor> t{at::ones({4})};
+    if (ctx.rank == 1) {
+      (void)ctx.lookup("attached-" + kind, 30s);
+      if (kind == "allreduce") {
+        CHECK(b->allreduce(t, AllreduceOptions{})->wait());
+      } else {
+        CHECK(b->send(t, 0, 7)->wait());
+      }
+      (void)ctx.lookup("dropped-" + kind, 30s);
+      continue;
+    }
+    auto holder = std::make_shared<std::shared_ptr<Backend>>(std::move(b));
+    std::promise<std::thread::id> ran_on;
+    auto w = kind == "allreduce" ? (*holder)->allreduce(t, AllreduceOptions{})
+                                 : (*holder)->recv(t, 1, 7);
+    w->get_future().add_done_callback([holder, &ran_on](const auto&) {
+      holder->reset();  // the last reference: ~DistrpcBackend runs here
+      ran_on.set_value(std::this_thread::get_id());
+    });
+    ctx.publish("attached-" + kind, "1");
+    auto ran = ran_on.get_future();
+    REQUIRE(ran.wait_for(10s) == std::future_status::ready);
+    CHECK(ran.get() != std::this_thread::get_id());  // on the backend's own thread
+    CHECK(*holder == nullptr);
+    CHECK(w->is_success());
+    CHECK(at::equal(t[0], at::ones({4}) * (kind == "allreduce" ? 2 : 1)));
+    ctx.publish("dropped-" + kind, "1");
+  }
+  // The process goes on: a new backend works.
+  auto again = make_backend<Tcp>(ctx, 20s, {}, "store-again");
+  std::vector<at::Tensor> t{at::ones({2})};
+  CHECK(again->allreduce(t, AllreduceOptions{})->wait());
+  CHECK(at::equal(t[0], at::full({2}, 2.0)));
 }
 
 TEST_CASE("distrpc backend: a member that never arrives fails the meeting, naming its key") {

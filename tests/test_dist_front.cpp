@@ -25,6 +25,7 @@
 #include "distrpc/dist.hpp"
 #include "distrpc/log.hpp"
 #include "distrpc/store/hash_store.hpp"
+#include "distrpc/store/tcp_store.hpp"
 #include "multiprocess.hpp"
 #include "support/error_text.hpp"
 
@@ -434,6 +435,34 @@ TEST_CASE("dist front: world of one with the Dummy backend; case-insensitive nam
   // An operation the backend leaves out is reported with the backend's name.
   CHECK(error_text<std::logic_error>([&] { dist::reduce(t, 0); }) ==
         "Backend Dummy does not support reduce");
+}
+
+TEST_CASE("dist front: the rendezvous store takes InitOptions::auth_secret") {
+  register_test_backends();
+  DestroyAtEnd guard;
+  namespace st = distrpc::store;
+  st::TCPStoreOptions probe_opts;
+  probe_opts.is_master = true;
+  auto probe = std::make_unique<st::TCPStore>(probe_opts);
+  const int port = probe->port();
+  probe.reset();  // frees the port for the group's store
+  dist::init_process_group({.backend = "dummy",
+                            .init_method = "tcp://127.0.0.1:" + std::to_string(port),
+                            .rank = 0,
+                            .world_size = 1,
+                            .timeout = milliseconds(5000),
+                            .auth_secret = "group secret"});
+  st::TCPStoreOptions client;
+  client.port = port;
+  client.timeout = milliseconds(5000);
+  client.auth_secret = "not the group's";
+  CHECK(error_text<distrpc::DistNetworkError>([&] {
+          st::TCPStore bad(client);
+        }).find("failed: it answered our challenge with a wrong proof") != std::string::npos);
+  client.auth_secret = "group secret";
+  st::TCPStore member(client);
+  member.set("probe", "1");
+  CHECK(member.get_string("probe") == "1");
 }
 
 TEST_CASE("dist front: mixed dtypes are refused by every listed collective (scenario 9)") {

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -301,5 +302,38 @@ TEST_CASE("GlooBackend shutdown fails pending work at once and refuses later cal
   CHECK(error_text<distrpc::DistBackendError>([&] { b0->allreduce(t); }) ==
         "GlooBackend allreduce: the backend was shut down");
   b0->shutdown();  // idempotent
+  b1->shutdown();
+}
+
+// A Work callback runs on the backend's waiter thread; one that drops the backend's last reference
+// runs shutdown() there, which must not try to join the thread it runs on.
+TEST_CASE("GlooBackend: a Work callback may drop the last reference to its backend") {
+  using distrpc::dist::GlooBackend;
+  auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(30));
+  distrpc::dist::GlooBackendOptions opts;
+  opts.hostname = "127.0.0.1";
+  std::shared_ptr<GlooBackend> b1;
+  std::thread peer(
+      [&] { b1 = std::make_shared<GlooBackend>(store, 1, 2, std::chrono::seconds(20), opts); });
+  auto holder = std::make_shared<std::shared_ptr<GlooBackend>>(
+      std::make_shared<GlooBackend>(store, 0, 2, std::chrono::seconds(20), opts));
+  peer.join();
+  REQUIRE(b1 != nullptr);
+
+  std::vector<at::Tensor> buf{at::zeros({3})};
+  auto w = (*holder)->recv(buf, 1, 5);
+  std::promise<std::thread::id> ran_on;
+  w->get_future().add_done_callback([holder, &ran_on](const auto&) {
+    holder->reset();  // the last reference: ~GlooBackend runs here
+    ran_on.set_value(std::this_thread::get_id());
+  });
+  std::vector<at::Tensor> out{at::full({3}, 4.0)};
+  CHECK(b1->send(out, 0, 5)->wait());
+  auto ran = ran_on.get_future();
+  REQUIRE(ran.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(ran.get() != std::this_thread::get_id());
+  CHECK(*holder == nullptr);
+  CHECK(w->is_success());
+  CHECK(at::equal(buf[0], at::full({3}, 4.0)));
   b1->shutdown();
 }

@@ -546,6 +546,34 @@ DISTRPC_MP_TEST("rpc: world_size 1, invalid names, init then immediate non-grace
     distrpc::shutdown();
   }
 
+  // The secret guards the rendezvous store as well as the connections: without it nobody reads or
+  // rewrites the workers' addresses there.
+  {
+    namespace st = distrpc::store;
+    st::TCPStoreOptions probe_opts;
+    probe_opts.is_master = true;
+    auto probe = std::make_unique<st::TCPStore>(probe_opts);
+    const int port = probe->port();
+    probe.reset();  // frees the port for the agent's store
+    RpcBackendOptions guarded = o;
+    guarded.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+    guarded.auth_token = "rendezvous secret";
+    distrpc::init_rpc<Tcp>("worker0", 0, 1, guarded);
+    CHECK(at::equal(distrpc::rpc_sync<&add>("worker0", x, x), x * 2));
+    st::TCPStoreOptions client;
+    client.port = port;
+    client.timeout = std::chrono::seconds(5);
+    CHECK_THROWS_WITH_AS(
+        st::TCPStore{client},
+        doctest::Contains("a server with a shared secret refuses a client without one"),
+        distrpc::DistNetworkError);
+    client.auth_secret = "rendezvous secret";
+    st::TCPStore member(client);
+    member.set("probe", "1");
+    CHECK(member.get_string("probe") == "1");
+    distrpc::shutdown();
+  }
+
   // Every allowed character, then an immediate non-graceful shutdown.
   o.init_method = file_url(ctx, "second");
   distrpc::init_rpc<Tcp>("Ab-9_:z", 0, 1, o);

@@ -1754,3 +1754,30 @@ TEST_CASE("auth: the secret comes from the option, else a file, else the environ
       [&] { ds::TCPStore bare("127.0.0.1", master.port(), -1, false, 5s); });
   CHECK(contains(text, "a server with a shared secret refuses a client without one"));
 }
+
+TEST_CASE("auth: the rendezvous store takes the secret it is given, on both URL forms") {
+  NoSecretEnv env;
+  auto r = ds::rendezvous("tcp://127.0.0.1:0?rank=0&world_size=1", -1, -1, 5s, kSecret);
+  const int port = static_cast<ds::TCPStore&>(*r.store).port();
+  r.store->set("addr/worker1", "10.0.0.7:29500");
+  ds::TCPStore peer(auth_options(port, false, kSecret));
+  CHECK(peer.get_string("addr/worker1") == "10.0.0.7:29500");
+  // Without the secret nobody reads or rewrites the workers' addresses.
+  const auto text = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore bare(auth_options(port, false, "")); });
+  CHECK(contains(text, "a server with a shared secret refuses a client without one"));
+  const auto wrong = thrown_text<distrpc::DistNetworkError>(
+      [&] { ds::TCPStore bad(auth_options(port, false, "guess")); });
+  CHECK(contains(wrong, "failed: it answered our challenge with a wrong proof"));
+
+  // env:// joins as a client with the same secret.
+  EnvGuard vars;
+  vars.set("MASTER_ADDR", "127.0.0.1");
+  vars.set("MASTER_PORT", std::to_string(port).c_str());
+  vars.set("TORCHELASTIC_USE_AGENT_STORE", nullptr);
+  auto joined = ds::rendezvous("env://", 1, 2, 5s, kSecret);
+  CHECK(joined.store->get_string("addr/worker1") == "10.0.0.7:29500");
+  const auto env_text =
+      thrown_text<distrpc::DistNetworkError>([&] { ds::rendezvous("env://", 1, 2, 5s, "guess"); });
+  CHECK(contains(env_text, "failed: it answered our challenge with a wrong proof"));
+}

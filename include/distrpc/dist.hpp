@@ -57,6 +57,10 @@ struct InitOptions {
   int rank = -1;                          // -1: from the URL or RANK
   int world_size = -1;                    // -1: from the URL or WORLD_SIZE
   std::chrono::milliseconds timeout = kDefaultPgTimeout;
+  // The rendezvous TCPStore's shared secret (docs/security.md); empty: DISTRPC_AUTH_SECRET_FILE's
+  // file, else DISTRPC_AUTH_SECRET, else none. The distrpc backend's own connections take theirs
+  // from DistrpcBackendOptions::auth_token or the same variables.
+  std::string auth_secret{};
 };
 
 struct NewGroupOptions {
@@ -107,7 +111,8 @@ inline void init_process_group(const InitOptions& opts) {
   int world_size = opts.world_size;
   if (!store) {
     const std::string url = opts.init_method.empty() ? "env://" : opts.init_method;
-    store::RendezvousResult r = store::rendezvous(url, rank, world_size, opts.timeout);
+    store::RendezvousResult r =
+        store::rendezvous(url, rank, world_size, opts.timeout, opts.auth_secret);
     store = std::move(r.store);
     rank = r.rank;
     world_size = r.world_size;

@@ -124,7 +124,9 @@ std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int wor
     throw std::invalid_argument("shutdown_grace must be >= 0 ms (0: abandon at once), got " +
                                 std::to_string(options.shutdown_grace.count()) + " ms");
   }
-  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout);
+  // The rendezvous store guards the workers' addresses: it takes the transports' secret.
+  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout,
+                                options.auth_token);
   const net::Endpoint endpoint = choose_worker_endpoint(name, options, rdzv);
   RpcBackendOptions effective = options;
   effective.listen_host = endpoint.listen_host;

@@ -230,8 +230,8 @@ class DistrpcBackend final : public Backend {
       ctx_->shutdown();
       throw;
     }
-    executor_ = std::thread([this] { executor_loop(); });
-    p2p_thread_ = std::thread([this] { p2p_loop(); });
+    executor_ = std::thread([this, gone = left_] { executor_loop(*gone); });
+    p2p_thread_ = std::thread([this, gone = left_] { p2p_loop(*gone); });
   }
 
   ~DistrpcBackend() override {
@@ -600,6 +600,7 @@ class DistrpcBackend final : public Backend {
     // The watchdog completes Works (user callbacks may run on it): detached if this is it.
     if (watchdog.joinable()) {
       if (watchdog.get_id() == std::this_thread::get_id()) {
+        left_->store(std::this_thread::get_id(), std::memory_order_release);
         watchdog.detach();
       } else {
         watchdog.join();
@@ -612,6 +613,7 @@ class DistrpcBackend final : public Backend {
     for (std::thread* t : {&executor_, &p2p_thread_}) {
       if (!t->joinable()) continue;
       if (t->get_id() == std::this_thread::get_id()) {
+        left_->store(std::this_thread::get_id(), std::memory_order_release);
         t->detach();
       } else {
         t->join();
@@ -620,6 +622,11 @@ class DistrpcBackend final : public Backend {
   }
 
  private:
+  using LeftThread = std::atomic<std::thread::id>;
+  static bool has_left(const LeftThread& gone) {
+    return gone.load(std::memory_order_acquire) == std::this_thread::get_id();
+  }
+
   // One collective as it runs: what errors name and when it must be done.
   struct Op {
     const char* name;
@@ -761,7 +768,9 @@ class DistrpcBackend final : public Backend {
                          std::chrono::milliseconds requested) {
     {
       std::lock_guard<std::mutex> lk(watch_mu_);
-      if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch_loop(); });
+      if (!watchdog_.joinable()) {
+        watchdog_ = std::thread([this, gone = left_] { watch_loop(*gone); });
+      }
       call_deadlines_.emplace(Clock::now() + requested, CallDeadline{work, op, requested});
     }
     watch_cv_.notify_all();
@@ -769,7 +778,7 @@ class DistrpcBackend final : public Backend {
 
   // Fails the Works whose call timeout passed; the text is made under mu_ (it reads who was
   // heard from), the Works fail with no lock held.
-  void watch_loop() {
+  void watch_loop(const LeftThread& gone) {
     std::unique_lock<std::mutex> lk(watch_mu_);
     while (!watch_stop_) {
       if (call_deadlines_.empty()) {
@@ -789,6 +798,11 @@ class DistrpcBackend final : public Backend {
       for (CallDeadline& d : due) {
         auto work = d.work.lock();
         if (!work || work->is_completed()) continue;
+        if (has_left(gone)) {  // shut down by an earlier callback: `this` may be gone
+          work->finish_error(std::make_exception_ptr(
+              DistBackendError("DistrpcBackend: " + d.op.what() + ": the backend was shut down")));
+          continue;
+        }
         std::string text;
         {
           std::lock_guard<std::mutex> g(mu_);
@@ -802,11 +816,12 @@ class DistrpcBackend final : public Backend {
         }
         work->finish_error(std::make_exception_ptr(DistBackendError(text)));
       }
+      if (has_left(gone)) return;
       lk.lock();
     }
   }
 
-  void executor_loop() {
+  void executor_loop(const LeftThread& gone) {
     for (;;) {
       Task task;
       std::string broken;
@@ -834,6 +849,7 @@ class DistrpcBackend final : public Backend {
       if (!broken.empty()) {
         task.work->finish_error(std::make_exception_ptr(
             DistBackendError("DistrpcBackend: " + task.op.what() + " was not run: " + broken)));
+        if (has_left(gone)) return;
         continue;
       }
       try {
@@ -841,6 +857,7 @@ class DistrpcBackend final : public Backend {
         std::vector<at::Tensor> out = task.body(task.op);
         forget(task.op.coll);
         task.work->finish(std::move(out));
+        if (has_left(gone)) return;
       } catch (...) {
         std::string text = "unknown error";
         try {
@@ -856,6 +873,7 @@ class DistrpcBackend final : public Backend {
           }
         }
         task.work->finish_error(std::current_exception());
+        if (has_left(gone)) return;
       }
     }
   }
@@ -1380,7 +1398,7 @@ class DistrpcBackend final : public Backend {
     return work;
   }
 
-  std::string recv_what(const P2PRecv& r) const {
+  static std::string recv_what(const P2PRecv& r) {
     return std::string(r.name) + (r.src >= 0 ? " from rank " + std::to_string(r.src) : "") +
            " (tag " + std::to_string(r.tag) + ")";
   }
@@ -1388,7 +1406,7 @@ class DistrpcBackend final : public Backend {
   // Matches receives with arrived messages (in the order each was posted / arrived, so messages
   // with one (peer, tag) are received in the order sent), sends, and fails what cannot complete.
   // Copies and completions run with no lock held.
-  void p2p_loop() {
+  void p2p_loop(const LeftThread& gone) {
     for (;;) {
       std::vector<P2PSend> sends;
       std::vector<std::pair<P2PRecv, P2PArrived>> matched;
@@ -1448,11 +1466,13 @@ class DistrpcBackend final : public Backend {
           }
         }
       }
+      // Past here a callback may have shut the backend down and freed it: what is left is finished
+      // without touching a member (complete_recv is static), and sends fail (has_left).
       for (auto& [w, text] : failed)
         w->finish_error(std::make_exception_ptr(DistBackendError(text)));
       for (auto& [r, a] : matched) complete_recv(r, a);
       for (P2PSend& s : sends) {
-        if (stop) {
+        if (stop || has_left(gone)) {
           s.work->finish_error(std::make_exception_ptr(
               DistBackendError("DistrpcBackend: send to rank " + std::to_string(s.dst) +
                                " failed: the backend was shut down")));
@@ -1471,7 +1491,7 @@ class DistrpcBackend final : public Backend {
                                std::to_string(s.tag) + ") failed: " + e.what())));
         }
       }
-      if (stop) return;
+      if (stop || has_left(gone)) return;
     }
   }
 
@@ -1492,7 +1512,7 @@ class DistrpcBackend final : public Backend {
     return false;
   }
 
-  void complete_recv(P2PRecv& r, P2PArrived& a) {
+  static void complete_recv(P2PRecv& r, P2PArrived& a) {
     const at::Tensor& t = r.tensor;
     const std::int64_t want = t.numel() * static_cast<std::int64_t>(t.element_size());
     const std::int64_t got = a.bytes.defined() ? a.bytes.numel() : 0;
@@ -1554,6 +1574,11 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<detail::SpinWaitDriver> spin_driver_;  // null when wait_spin is 0
   std::unique_ptr<typename T::Context> ctx_;
+  // The backend's thread that shutdown() ran on and detached (a Work callback that shut the
+  // backend down or dropped its last reference), once it has. That thread may find the backend
+  // freed when the callback returns: it leaves its loop without touching a member. Shared with the
+  // threads so it outlives the backend.
+  std::shared_ptr<LeftThread> left_ = std::make_shared<LeftThread>();
   std::thread executor_;
   std::thread p2p_thread_;
 };

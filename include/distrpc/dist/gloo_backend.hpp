@@ -602,7 +602,18 @@ class GlooBackend : public Backend {
     for (auto& w : pending) {
       if (auto work = w.lock()) work->finish_error(err);
     }
-    if (watchdog.joinable()) watchdog.join();
+    // A Work callback runs on the watchdog or a waiter thread; one that drops the backend's last
+    // reference runs this shutdown there, and a thread cannot join itself: that one is detached
+    // (it touches only the shared state and its own captures, never the backend).
+    const auto join_or_detach = [](std::thread& t) {
+      if (!t.joinable()) return;
+      if (t.get_id() == std::this_thread::get_id()) {
+        t.detach();
+      } else {
+        t.join();
+      }
+    };
+    join_or_detach(watchdog);
     for (auto& w : waiters) {
       if (!w.done->load(std::memory_order_acquire)) {
         try {
@@ -611,7 +622,7 @@ class GlooBackend : public Backend {
           // Already finished between the check and the abort: nothing to stop.
         }
       }
-      w.thread.join();
+      join_or_detach(w.thread);
     }
     pg_.reset();
   }

@@ -185,7 +185,8 @@ inline std::string store_listen_address(const std::string& host) {
 }
 
 inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::string& host, int port,
-                                        int rank, int world, std::chrono::milliseconds timeout) {
+                                        int rank, int world, std::chrono::milliseconds timeout,
+                                        const std::string& auth_secret) {
   if (port == 0 && rank != 0) {
     throw DistError("rendezvous '" + url +
                     "': port 0 (\"pick a free port\") only works for rank 0, which hosts the "
@@ -201,6 +202,7 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
   o.is_master = rank == 0;
   o.timeout = timeout;
   o.listen_address = store_listen_address(host);
+  o.auth_secret = auth_secret;
   return std::make_shared<TCPStore>(std::move(o));
 }
 
@@ -209,11 +211,12 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
 // client, under the prefix PyTorch's env:// rendezvous uses there, so that Python ranks of the same
 // job see the same keys. Otherwise rank 0 hosts the server.
 inline std::shared_ptr<Store> env_store(const std::string& url, const std::string& host, int port,
-                                        int rank, int world, std::chrono::milliseconds timeout) {
+                                        int rank, int world, std::chrono::milliseconds timeout,
+                                        const std::string& auth_secret) {
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const std::string use_agent = agent ? agent : "";
   if (use_agent != "True" && use_agent != "1") {
-    return tcp_store(url, host, port, rank, world, timeout);
+    return tcp_store(url, host, port, rank, world, timeout, auth_secret);
   }
   const std::string attempt = env_or_throw("TORCHELASTIC_RESTART_COUNT");
   int restarts = 0;
@@ -223,7 +226,16 @@ inline std::shared_ptr<Store> env_store(const std::string& url, const std::strin
         "TORCHELASTIC_RESTART_COUNT='" +
         attempt + "' is not an integer in 0.." + std::to_string(1 << 30));
   }
-  auto client = std::make_shared<TCPStore>(host, port, world, false, timeout, false);
+  // The agent's store is PyTorch's TCPStore, which knows no shared secret: a secret here (given, or
+  // from the environment) makes the first request fail naming the server (docs/security.md).
+  TCPStoreOptions o;
+  o.host = host;
+  o.port = port;
+  o.world_size = world;
+  o.is_master = false;
+  o.timeout = timeout;
+  o.auth_secret = auth_secret;
+  auto client = std::make_shared<TCPStore>(std::move(o));
   return std::make_shared<PrefixStore>("/worker/attempt_" + std::to_string(restarts),
                                        std::move(client));
 }
@@ -232,9 +244,12 @@ inline std::shared_ptr<Store> env_store(const std::string& url, const std::strin
 
 // Connects this rank to the group's store. rank/world_size of -1 are taken from the URL (or, for
 // env://, from RANK/WORLD_SIZE). Errors are DistError texts that quote the URL and say what form
-// was expected; connection failures are DistNetworkError naming host:port.
+// was expected; connection failures are DistNetworkError naming host:port. `auth_secret` is the
+// TCPStore's shared secret (TCPStoreOptions::auth_secret; empty: DISTRPC_AUTH_SECRET_FILE's file,
+// else DISTRPC_AUTH_SECRET, else none); file:// stores have none (the file system guards them).
 inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int world_size = -1,
-                                   std::chrono::milliseconds timeout = Store::kDefaultTimeout) {
+                                   std::chrono::milliseconds timeout = Store::kDefaultTimeout,
+                                   const std::string& auth_secret = "") {
   const auto sep = url.find("://");
   if (sep == std::string::npos || sep == 0) detail::bad_url(url, "no scheme");
   const std::string scheme = url.substr(0, sep);
@@ -260,7 +275,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
       throw DistError("rendezvous '" + url + "': local rank " + std::to_string(local_rank) +
                       " is not below the local world size " + std::to_string(local_world));
     }
-    auto store = detail::env_store(url, host, port, rank, world_size, timeout);
+    auto store = detail::env_store(url, host, port, rank, world_size, timeout, auth_secret);
     const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
     return {std::move(store), rank, world_size, local_rank, local_world, host, bound};
   }
@@ -295,7 +310,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
     detail::check_rank(url, rank, world_size);
-    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout);
+    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout, auth_secret);
     const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
     return {std::move(store), rank, world_size, -1, -1, host, bound};
   }
