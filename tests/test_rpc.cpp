@@ -1217,6 +1217,14 @@ DISTRPC_MP_TEST("rpc: per-call and default timeouts; the default is read at call
   }
   CHECK_THROWS_WITH_AS(distrpc::rpc_sync<&sleep_ms>(dst, 1000),
                        doctest::Contains("RPC ran for more than"), distrpc::RpcTimeoutError);
+  // A builtin call's error names the operator it ran (not the library's runner).
+  const auto big = at::ones({600, 600});
+  CHECK_THROWS_WITH_AS(
+      distrpc::rpc_sync(dst, "aten::mm", std::vector<c10::IValue>{big, big}),
+      doctest::Contains("RPC ran for more than set timeout (1 ms) and will now be marked with an "
+                        "error (call to 'aten::mm' on WorkerInfo(id=" +
+                        std::to_string(dst)),
+      distrpc::RpcTimeoutError);
   // Per-call overrides beat the 1 ms default (sync and async).
   auto over5s = distrpc::rpc_async<&sleep_ms>(dst, distrpc::with_timeout(5s), 1000);
   auto over0 = distrpc::rpc_async<&sleep_ms>(dst, distrpc::with_timeout(0ms), 1000);

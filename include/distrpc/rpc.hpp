@@ -95,8 +95,8 @@ inline Future<c10::IValue> rpc_async(const Destination& to, CallOptions opts, co
   detail::ensure_library_registered<&detail::run_builtin>();
   auto agent = detail::current_agent();
   const WorkerInfo dst = to.resolve(*agent);
-  auto reply =
-      detail::send_call<&detail::run_builtin>(agent, dst, opts, false, op, std::move(args));
+  auto reply = detail::send_named_call<&detail::run_builtin>(
+      agent, dst, opts, false, "call to '" + op + "'", op, std::move(args));
   auto typed = detail::decode_reply<c10::IValue>(reply, agent, dst.id);
   detail::register_in_scope(typed);
   return typed;

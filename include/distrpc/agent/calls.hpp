@@ -173,16 +173,25 @@ SentCall send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& d
   return SentCall{std::move(reply), std::move(header.attachments)};
 }
 
+// As send_call, with the call named `what` in its errors ("RPC <what> to WorkerInfo(...) failed:
+// ..."): a runner serving many user-visible calls (builtin operators) names the one it runs.
 template <auto F, class... A>
-SentCall send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst, CallOptions opts,
-                   bool internal, A&&... args) {
+SentCall send_named_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
+                         CallOptions opts, bool internal, const std::string& what, A&&... args) {
   using Id = call_identity<F>;
   Id::register_caller();
   const auto timeout = agent->effective_timeout(opts.timeout);
   typename Id::args packed(std::forward<A>(args)...);
   RequestHeader h = Id::header();
   h.internal = internal;
-  return send_packed(agent, dst, timeout, h, packed, "call to '" + h.name + "'");
+  return send_packed(agent, dst, timeout, h, packed,
+                     what.empty() ? "call to '" + h.name + "'" : what);
+}
+
+template <auto F, class... A>
+SentCall send_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst, CallOptions opts,
+                   bool internal, A&&... args) {
+  return send_named_call<F>(agent, dst, opts, internal, std::string(), std::forward<A>(args)...);
 }
 
 }  // namespace detail
