@@ -169,6 +169,26 @@ else
   failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/two_binaries.log"
 fi
 
+# Chaos soak: a dynamic group of 4 workers per transport, each keeping 1,000 calls in flight for
+# 20 s while a worker is killed with SIGKILL every few seconds and replaced (examples/soak; its
+# JSON says what each rule measured). DISTRPC_SOAK_SECONDS changes the length.
+if [ -x build/examples/soak ]; then
+  for tr in $transports; do
+    echo "== chaos soak [$tr] (4 workers, ${DISTRPC_SOAK_SECONDS:-20} s, kills and replacements)"
+    start=$SECONDS
+    if timeout 300 build/examples/soak --transport "$tr" --seconds "${DISTRPC_SOAK_SECONDS:-20}" \
+         >"$logdir/soak-$tr.log" 2>&1; then
+      passed=$((passed + 1)); rc=0
+    else
+      failed=$((failed + 1)); rc=1
+    fi
+    json=$(grep -E '^\{"bench":"soak"' "$logdir/soak-$tr.log" | tail -1)
+    summary=$(echo "$json" | grep -oE '"(kills|replacements|issued|completed|failed|failed_unnamed|lost|hangs|max_rss_growth_after_warmup_pct)":[0-9.e+-]+' | tr '\n' ' ')
+    echo "   ${summary:-no report} ($((SECONDS - start)) s)"
+    if [ $rc -ne 0 ]; then echo "   FAILED"; tail -40 "$logdir/soak-$tr.log"; fi
+  done
+fi
+
 rm -rf "$logdir"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
