@@ -365,7 +365,19 @@ class Connection {
       errno = EAGAIN;
       return -1;
     }
-    if (st.eof) return write ? (errno = EPIPE, -1) : 0;
+    if (write && !greeted_ && (st.eof || st.reset)) {
+      // A server that refused our certificate sends an alert, then hangs up: a write racing the
+      // hang-up fails first, and the alert, still to be read, says why.
+      char byte = 0;
+      net::tls::Step probe =
+          net::tls::step(ssl_.get(), nullptr, [&](SSL* s) { return SSL_read(s, &byte, 1); });
+      if (probe.ret <= 0 && !probe.eof && !probe.reset && probe.err != SSL_ERROR_WANT_READ &&
+          probe.err != SSL_ERROR_WANT_WRITE) {
+        broken_ = true;
+        throw DistNetworkError("TCPStore: TLS handshake with " + where_ + " failed: " + probe.why);
+      }
+    }
+    if (st.eof || st.reset) return write ? (errno = EPIPE, -1) : 0;
     broken_ = true;
     if (!greeted_) {
       throw DistNetworkError("TCPStore: TLS handshake with " + where_ + " failed: " + st.why);

@@ -1043,6 +1043,16 @@ class Impl : public std::enable_shared_from_this<Impl> {
     };
     const auto failed = [&](const std::string& step, int err) {
       if (err == net::tls::kTlsFailed) return tls_error(tls_why);
+      // With TLS, an acceptor that refused our certificate sends an alert, then hangs up: a write
+      // racing the hang-up fails first, and the alert, still to be read, says why.
+      if (ssl && err == kEndOfStream) {
+        char byte = 0;
+        const auto soon = std::min(deadline, Clock::now() + std::chrono::seconds(1));
+        if (net::tls::read_exact(ssl.get(), fd.get(), &byte, 1, soon, stopping_, tls_why) ==
+            net::tls::kTlsFailed) {
+          return tls_error(tls_why);
+        }
+      }
       return error(step + io_text(err));
     };
     const wire::Hello mine = my_hello();
