@@ -3,9 +3,10 @@
 # consumer check (tests/consumer/check.sh); python3-torch is PyTorch's own TCPStore and torchrun,
 # which the interoperability tests run against; libgloo-dev is gloo's headers, for libtorch's
 # c10d::ProcessGroupGloo (meson's gloo_found, tests/test_dist_gloo.cpp in test_dist); libssl-dev
-# is OpenSSL's libcrypto (HMAC-SHA256 and nonces of the authenticated handshakes).
+# is OpenSSL's libssl and libcrypto (TLS, HMAC-SHA256 and nonces of the authenticated handshakes);
+# openssl is its command line, with which the TLS tests make their certificates.
 distrpc_packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libasio-dev libcereal-dev
-                  doctest-dev python3-torch libgloo-dev libssl-dev)
+                  doctest-dev python3-torch libgloo-dev libssl-dev openssl)
 
 distrpc_install_deps() {
   local missing=()

@@ -5,6 +5,9 @@
 //   build/examples/bench_rpc [--transport tcp|shm|auto] [--small N] [--big N] [--async N]
 //                            [--async-windows N]
 //                            [--sync-spin-us N]   (RpcBackendOptions::sync_wait_spin; default: its)
+//                            [--tls [DIR]]   (mutual TLS on tcp: DIR holds ca.pem, cert.pem and
+//                                             key.pem; without DIR they are made with the openssl
+//                                             command line in a temporary folder)
 //
 // echo_small_us    median round trip of rpc_sync(ident, tensor of 4 floats)
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
@@ -35,6 +38,7 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -82,6 +86,8 @@ struct Args {
   int async_calls = 5000;
   int async_windows = 5;
   int sync_spin_us = -1;  // -1: the library's default (RpcBackendOptions::sync_wait_spin)
+  bool tls = false;
+  std::string tls_dir;  // empty with tls: made for this run
 };
 
 Args parse(int argc, char** argv) {
@@ -110,10 +116,13 @@ Args parse(int argc, char** argv) {
       a.async_windows = std::stoi(next());
     } else if (k == "--sync-spin-us") {
       a.sync_spin_us = std::stoi(next());
+    } else if (k == "--tls") {
+      a.tls = true;
+      if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a.tls_dir = argv[++i];
     } else {
       throw std::invalid_argument("unknown argument '" + k +
                                   "' (expected --transport tcp|shm|auto, --small N, --big N, "
-                                  "--async N, --async-windows N, --sync-spin-us N)");
+                                  "--async N, --async-windows N, --sync-spin-us N, --tls [DIR])");
     }
   }
   for (const auto& [name, value] : {std::pair<const char*, int>{"--small", a.small},
@@ -265,7 +274,45 @@ int run_worker(const Args& a) {
   return 0;
 }
 
-int launch(const Args& a) {
+// A CA and one certificate both workers present (each checks the other's against the CA).
+std::string make_certs() {
+  std::string dir = (std::filesystem::temp_directory_path() / "bench-rpc-tls-XXXXXX").string();
+  if (!::mkdtemp(dir.data())) throw std::runtime_error("--tls: cannot make a temporary folder");
+  const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cmd = "cd " + dir + " && openssl req -x509 " + key +
+                          " -keyout ca.key -out ca.pem -days 2 -subj /CN=bench-ca && openssl req " +
+                          key + " -keyout key.pem -out cert.csr -subj /CN=bench && openssl x509 " +
+                          "-req -in cert.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out " +
+                          "cert.pem -days 2";
+  if (std::system(("(" + cmd + ") >/dev/null 2>&1").c_str()) != 0) {
+    throw std::runtime_error("--tls: making certificates with the openssl command line failed");
+  }
+  return dir;
+}
+
+int launch(Args a) {
+  std::string made;
+  if (a.tls) {
+    if (a.transport != "tcp") throw std::invalid_argument("--tls needs --transport tcp");
+    if (a.tls_dir.empty()) a.tls_dir = made = make_certs();
+    for (const char* f : {"ca.pem", "cert.pem", "key.pem"}) {
+      if (!std::filesystem::exists(std::filesystem::path(a.tls_dir) / f)) {
+        throw std::invalid_argument("--tls " + a.tls_dir + ": no " + f + " there");
+      }
+    }
+    // The workers inherit these: their rendezvous store and their transport both speak TLS,
+    // without a line of code (docs/security.md, "TLS").
+    ::setenv("DISTRPC_TLS_CERT", (a.tls_dir + "/cert.pem").c_str(), 1);
+    ::setenv("DISTRPC_TLS_KEY", (a.tls_dir + "/key.pem").c_str(), 1);
+    ::setenv("DISTRPC_TLS_CA", (a.tls_dir + "/ca.pem").c_str(), 1);
+  }
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{made};
   const std::string line = distrpc_examples::run_local_group_for_result(
       2, "bench",
       {"--transport", a.transport, "--small", std::to_string(a.small), "--big",

@@ -30,9 +30,11 @@
 #include <doctest/doctest.h>
 
 #include "distrpc/log.hpp"
+#include "distrpc/net/tls.hpp"
 #include "distrpc/store.hpp"
 #include "distrpc/wire/auth.hpp"
 #include "multiprocess.hpp"
+#include "support/tls_certs.hpp"
 
 namespace ds = distrpc::store;
 using namespace std::chrono_literals;
@@ -1583,8 +1585,8 @@ TEST_CASE("TCPStore auth: the right secret connects, a wrong or missing one is r
         [&] { ds::TCPStore bad(auth_options(port, false, "")); });
     CHECK(text == "TCPStore: the connection to the server at " + where +
                       " was lost during the first request: the server closed the connection (a "
-                      "server with a shared secret refuses a client without one: see the "
-                      "server's log)");
+                      "server with a shared secret refuses a client without one, and a server "
+                      "with TLS a client without TLS: see the server's log)");
     const std::string line = log.wait_for("without authenticating");
     CHECK(contains(line, "closing the connection from 127.0.0.1:"));
     CHECK(contains(line,
@@ -1780,4 +1782,177 @@ TEST_CASE("auth: the rendezvous store takes the secret it is given, on both URL 
   const auto env_text =
       thrown_text<distrpc::DistNetworkError>([&] { ds::rendezvous("env://", 1, 2, 5s, "guess"); });
   CHECK(contains(env_text, "failed: it answered our challenge with a wrong proof"));
+}
+
+// ---- TLS (docs/security.md, "TLS") -------------------------------------------------------------
+
+namespace {
+
+// The process environment's TLS variables, cleared while alive and restored after.
+class NoTlsEnv {
+ public:
+  NoTlsEnv() {
+    for (const char* v : kVars) {
+      if (const char* s = std::getenv(v)) saved_.emplace_back(v, s);
+      ::unsetenv(v);
+    }
+  }
+  ~NoTlsEnv() {
+    for (const char* v : kVars) ::unsetenv(v);
+    for (const auto& [k, v] : saved_) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+
+ private:
+  static constexpr const char* kVars[] = {distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv,
+                                          distrpc::net::tls::kCaEnv};
+  std::vector<std::pair<std::string, std::string>> saved_;
+};
+
+ds::TCPStoreOptions tls_options(int port, bool master, const distrpc::TlsOptions& tls,
+                                std::chrono::milliseconds timeout = 5s) {
+  ds::TCPStoreOptions o;
+  o.port = port;
+  o.is_master = master;
+  o.timeout = timeout;
+  o.tls = tls;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("TCPStore TLS: set, get, wait and add over mutual TLS, with a shared secret inside it") {
+  NoTlsEnv env;
+  NoSecretEnv no_secret;
+  const auto& certs = distrpc::testing::tls_files();
+  auto mo = tls_options(0, true, certs.server);
+  mo.auth_secret = kSecret;
+  ds::TCPStore master(mo);
+  auto co = tls_options(master.port(), false, certs.client);
+  co.auth_secret = kSecret;
+  ds::TCPStore client(co);
+
+  client.set("k", "v");
+  CHECK(master.get_string("k") == "v");
+  // A big value crosses many TLS records.
+  std::string big(3 << 20, '\0');
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + 7);
+  master.set("big", big);
+  CHECK(client.get_string("big") == big);
+  std::thread later([&] {
+    std::this_thread::sleep_for(100ms);
+    master.set("late", "here");
+  });
+  client.wait({"late"}, 5s);
+  later.join();
+  CHECK(client.get_string("late") == "here");
+  CHECK(client.add("n", 5) == 5);
+  CHECK(master.add("n", 2) == 7);
+  CHECK(client.add("n", 0) == 7);
+}
+
+TEST_CASE("TCPStore TLS: a certificate from another CA is refused, on either side") {
+  NoTlsEnv env;
+  const auto& certs = distrpc::testing::tls_files();
+  SUBCASE("a client with a rogue certificate") {
+    LogLines log;
+    ds::TCPStore master(tls_options(0, true, certs.server));
+    const std::string where = "127.0.0.1:" + std::to_string(master.port());
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore rogue(tls_options(master.port(), false, certs.rogue)); });
+    CHECK(text == "TCPStore: TLS handshake with " + where + " failed: tlsv1 alert unknown ca");
+    const std::string line = log.wait_for("TLS handshake failed");
+    CHECK(contains(line, "closing the connection from 127.0.0.1:"));
+    CHECK(contains(line, "TLS handshake failed: certificate verify failed"));
+    // The server serves the good client as before.
+    ds::TCPStore good(tls_options(master.port(), false, certs.client));
+    good.set("k", "v");
+    CHECK(master.get_string("k") == "v");
+  }
+  SUBCASE("a server with a rogue certificate") {
+    ds::TCPStore master(tls_options(0, true, certs.rogue));
+    const std::string where = "127.0.0.1:" + std::to_string(master.port());
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore client(tls_options(master.port(), false, certs.client)); });
+    CHECK(text == "TCPStore: TLS handshake with " + where +
+                      " failed: certificate verify failed (self-signed certificate in "
+                      "certificate chain)");
+  }
+}
+
+TEST_CASE("TCPStore TLS: TLS on one side only fails cleanly, well within the timeout") {
+  NoTlsEnv env;
+  const auto& certs = distrpc::testing::tls_files();
+  SUBCASE("a plain client, a TLS server") {
+    LogLines log;
+    ds::TCPStore master(tls_options(0, true, certs.server));
+    const std::string where = "127.0.0.1:" + std::to_string(master.port());
+    const auto t0 = Clock::now();
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore plain("127.0.0.1", master.port(), -1, false, 10s); });
+    CHECK(since(t0) < 3s);
+    CHECK(text == "TCPStore: the connection to the server at " + where +
+                      " was lost during the first request: the server closed the connection (a "
+                      "server with a shared secret refuses a client without one, and a server "
+                      "with TLS a client without TLS: see the server's log)");
+    CHECK(contains(log.wait_for("TLS handshake failed"), "closing the connection from 127.0.0.1:"));
+  }
+  SUBCASE("a TLS client, a plain server") {
+    ds::TCPStore master("127.0.0.1", 0, -1, true, 5s);
+    const std::string where = "127.0.0.1:" + std::to_string(master.port());
+    const auto t0 = Clock::now();
+    const auto text = thrown_text<distrpc::DistNetworkError>(
+        [&] { ds::TCPStore tls(tls_options(master.port(), false, certs.client, 10s)); });
+    CHECK(since(t0) < 3s);
+    CHECK(text == "TCPStore: TLS handshake with " + where +
+                      " failed: the server closed the connection (does it have TLS configured?)");
+  }
+}
+
+TEST_CASE("TCPStore TLS: a missing file or a partial setting is named; the environment works") {
+  NoTlsEnv env;
+  const auto& certs = distrpc::testing::tls_files();
+  distrpc::TlsOptions missing = certs.server;
+  missing.ca_file = certs.dir + "/no-such-ca.pem";
+  CHECK(thrown_text<distrpc::DistError>([&] { ds::TCPStore s(tls_options(0, true, missing)); }) ==
+        "TLS: cannot read the CA file '" + missing.ca_file + "': No such file or directory");
+  missing = certs.client;
+  missing.key_file = certs.dir + "/no-such.key";
+  CHECK(thrown_text<distrpc::DistError>([&] { ds::TCPStore s(tls_options(0, true, missing)); }) ==
+        "TLS: cannot read the private key file '" + missing.key_file +
+            "': No such file or directory");
+  distrpc::TlsOptions crossed = certs.client;
+  crossed.key_file = certs.server.key_file;
+  CHECK(contains(
+      thrown_text<distrpc::DistError>([&] { ds::TCPStore s(tls_options(0, true, crossed)); }),
+      "TLS: the private key file '" + crossed.key_file + "' does not match the certificate file '" +
+          crossed.cert_file + "'"));
+  distrpc::TlsOptions partial;
+  partial.cert_file = certs.client.cert_file;
+  CHECK(thrown_text<distrpc::DistError>([&] { ds::TCPStore s(tls_options(0, true, partial)); }) ==
+        "TLS: TlsOptions::key_file is not set, but other TLS settings are: a certificate, its key "
+        "and a CA file are all needed (TlsOptions)");
+
+  // The variables alone turn TLS on: a plain store object (options left empty) speaks TLS.
+  ::setenv(distrpc::net::tls::kCertEnv, certs.server.cert_file.c_str(), 1);
+  ::setenv(distrpc::net::tls::kKeyEnv, certs.server.key_file.c_str(), 1);
+  CHECK(thrown_text<distrpc::DistError>([&] { ds::TCPStore s("127.0.0.1", 0, -1, true, 5s); }) ==
+        "TLS: DISTRPC_TLS_CA is not set, but other TLS settings are: a certificate, its key and a "
+        "CA file are all needed (the environment)");
+  ::setenv(distrpc::net::tls::kCaEnv, certs.server.ca_file.c_str(), 1);
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 5s);
+  ds::TCPStore client("127.0.0.1", master.port(), -1, false, 5s);
+  client.set("k", "v");
+  CHECK(master.get_string("k") == "v");
+  // Options given in code win over the environment: a rogue certificate is refused.
+  CHECK(contains(thrown_text<distrpc::DistNetworkError>(
+                     [&] { ds::TCPStore rogue(tls_options(master.port(), false, certs.rogue)); }),
+                 "TLS handshake with"));
+  for (const char* v :
+       {distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv, distrpc::net::tls::kCaEnv}) {
+    ::unsetenv(v);
+  }
+  // Without them, a plain client meets a TLS server: refused, not served.
+  CHECK(contains(thrown_text<distrpc::DistNetworkError>(
+                     [&] { ds::TCPStore plain("127.0.0.1", master.port(), -1, false, 5s); }),
+                 "a server with TLS a client without TLS"));
 }

@@ -30,6 +30,7 @@
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/handshake.hpp"
 #include "multiprocess.hpp"
+#include "support/tls_certs.hpp"
 #include "support/transport_test_util.hpp"
 
 namespace {
@@ -391,4 +392,146 @@ TEST_CASE("tcp: the secret never travels; an acceptor replaying a recorded proof
   CHECK(received.size() == distrpc::wire::kFrameFixedBytes + header.payload_bytes);
   CHECK(received.find(token) == std::string::npos);
   CHECK_FALSE(contains(text, token));
+}
+
+// ---- TLS (docs/security.md, "TLS") -------------------------------------------------------------
+
+namespace {
+
+distrpc::transport::TransportOptions tls_node(int id, const distrpc::TlsOptions& tls,
+                                              const std::string& token = "",
+                                              std::chrono::milliseconds connect_timeout = 5s) {
+  auto o = options_for(id, token, connect_timeout);
+  o.tls = tls;
+  return o;
+}
+
+// What `send` throws (DistNetworkError), or "<no exception>".
+std::string send_error(Node& from, int to) {
+  try {
+    from.ctx->send(to, make_message(MessageType::Request, 1, "hello"));
+  } catch (const distrpc::DistNetworkError& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+
+}  // namespace
+
+TEST_CASE("tcp TLS: small and 64 MiB messages cross mutual TLS both ways, with a secret inside") {
+  const auto& certs = distrpc::testing::tls_files();
+  const std::string token = "correct horse battery staple";
+  Node a(tls_node(0, certs.server, token));
+  Node b(tls_node(1, certs.client, token));
+  introduce(a, 0, b, 1);
+  // b dials a (its Request), a dials b (the echo): both directions run their own TLS connection.
+  b.ctx->send(0, make_message(MessageType::Request, 1, "small"));
+  const at::Tensor big = pattern_bytes(64 << 20, 7);
+  const at::Tensor tail = pattern_bytes(1000, 8);
+  b.ctx->send(0, make_message(MessageType::Request, 2, "big", {big, tail}));
+  REQUIRE(a.inbox.wait_messages(2, 60s));
+  Message small = a.inbox.take(0);
+  CHECK(small.id == 1);
+  CHECK(small.payload == "small");
+  Message got = a.inbox.take(1);
+  CHECK(got.id == 2);
+  CHECK(got.payload == "big");
+  REQUIRE(got.buffers.size() == 2);
+  CHECK(same_bytes(got.buffers[0], big));
+  CHECK(same_bytes(got.buffers[1], tail));
+  a.ctx->send(1, make_message(MessageType::Response, 2, "echo", {got.buffers[0]}));
+  a.ctx->send(1, make_message(MessageType::Response, 1, "echo-small"));
+  REQUIRE(b.inbox.wait_messages(2, 60s));
+  Message echo = b.inbox.take(0);
+  CHECK(echo.payload == "echo");
+  REQUIRE(echo.buffers.size() == 1);
+  CHECK(same_bytes(echo.buffers[0], big));
+  CHECK(b.inbox.take(1).payload == "echo-small");
+  CHECK(a.inbox.lost_count() == 0);
+  CHECK(b.inbox.lost_count() == 0);
+}
+
+TEST_CASE("tcp TLS: a peer whose certificate another CA signed is refused, with OpenSSL's reason") {
+  const auto& certs = distrpc::testing::tls_files();
+  SUBCASE("a rogue dialler: the acceptor refuses it, the dialler hears why") {
+    LogLines log;
+    Node a(tls_node(0, certs.server));
+    Node rogue(tls_node(1, certs.rogue));
+    introduce(a, 0, rogue, 1);
+    CHECK(send_error(rogue, 0) == "distrpc tcp: TLS handshake with worker 0 ('w0') at " +
+                                      a.ctx->address() + " failed: tlsv1 alert unknown ca");
+    const std::string line = log.wait_for("TLS handshake failed");
+    CHECK(contains(line, "tcp: dropping connection from 127.0.0.1:"));
+    CHECK(contains(line, "TLS handshake failed: certificate verify failed"));
+    CHECK(a.inbox.message_count() == 0);
+    // The acceptor goes on serving a good peer.
+    Node b(tls_node(2, certs.client));
+    a.ctx->add_peer(2, "w2", b.ctx->address());
+    b.ctx->add_peer(0, "w0", a.ctx->address());
+    b.ctx->send(0, make_message(MessageType::Request, 9, "good"));
+    REQUIRE(a.inbox.wait_messages(1));
+    CHECK(a.inbox.take(0).payload == "good");
+  }
+  SUBCASE("a rogue acceptor: the dialler refuses its certificate") {
+    Node rogue(tls_node(0, certs.rogue));
+    Node b(tls_node(1, certs.client));
+    introduce(rogue, 0, b, 1);
+    CHECK(send_error(b, 0) == "distrpc tcp: TLS handshake with worker 0 ('w0') at " +
+                                  rogue.ctx->address() +
+                                  " failed: certificate verify failed (self-signed "
+                                  "certificate in certificate chain)");
+    CHECK(rogue.inbox.message_count() == 0);
+  }
+}
+
+TEST_CASE("tcp TLS: TLS on one side only fails cleanly, well within the connect timeout") {
+  const auto& certs = distrpc::testing::tls_files();
+  SUBCASE("a plain dialler, a TLS acceptor") {
+    LogLines log;
+    Node a(tls_node(0, certs.server, "", 10s));
+    Node plain(options_for(1, "", 10s));
+    introduce(a, 0, plain, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string text = send_error(plain, 0);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    CHECK(text == "distrpc tcp: handshake with worker 0 ('w0') at " + a.ctx->address() +
+                      " failed: reading its Hello: the peer closed the connection (it refused our "
+                      "handshake: see its log; a shared secret on one side only, TLS on one side "
+                      "only, a protocol version or a worker identity are the usual reasons)");
+    CHECK(contains(log.wait_for("TLS handshake failed"), "dropping connection from 127.0.0.1:"));
+  }
+  SUBCASE("a TLS dialler, a plain acceptor") {
+    LogLines log;
+    Node plain(options_for(0, "", 10s));
+    Node b(tls_node(1, certs.client, "", 10s));
+    introduce(plain, 0, b, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string text = send_error(b, 0);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    CHECK(text == "distrpc tcp: TLS handshake with worker 0 ('w0') at " + plain.ctx->address() +
+                      " failed: the peer closed the connection during the TLS handshake (does it "
+                      "have TLS configured?)");
+    CHECK(contains(log.wait_for("the peer speaks TLS"),
+                   "the peer speaks TLS, and this worker has no TLS configured"));
+  }
+}
+
+TEST_CASE("tcp TLS: missing or unreadable files are named when the Context is made") {
+  const auto& certs = distrpc::testing::tls_files();
+  distrpc::TlsOptions bad = certs.client;
+  bad.cert_file = certs.dir + "/no-such-cert.pem";
+  const auto make = [&](const distrpc::TlsOptions& t) {
+    try {
+      Node n(tls_node(0, t));
+    } catch (const distrpc::DistError& e) {
+      return std::string(e.what());
+    }
+    return std::string("<no exception>");
+  };
+  CHECK(make(bad) ==
+        "TLS: cannot read the certificate file '" + bad.cert_file + "': No such file or directory");
+  bad = certs.client;
+  bad.ca_file = certs.client.key_file;  // readable, but no certificate in it
+  CHECK(contains(make(bad),
+                 "TLS: the CA file '" + bad.ca_file + "' holds no usable PEM certificate"));
 }

@@ -1050,6 +1050,7 @@ class Agent final : public RpcAgent {
     o.listen_host = options().listen_host.empty() ? o.listen_host : options().listen_host;
     o.advertise_host = options().advertise_host;
     o.auth_token = options().auth_token;
+    o.tls = options().tls;
     o.limits.max_message_bytes = options().max_message_bytes;
     o.connect_timeout = options().init_timeout;
     // Peers are added once they published their address, which they do after listening: a

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "distrpc/bounded_thread.hpp"
+#include "distrpc/tls_options.hpp"
 
 namespace distrpc {
 
@@ -46,6 +47,10 @@ struct RpcBackendOptions {
   // (challenge-response; the secret is never sent) is dropped at the handshake. Empty:
   // DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET, else none (docs/security.md).
   std::string auth_token;
+  // Mutual TLS for the TCP transport (docs/security.md, "TLS"): certificate, private key and the
+  // CA both ends check each other against. Empty: DISTRPC_TLS_CERT / _KEY / _CA, else plain TCP.
+  // The rendezvous store takes the same variables (TCPStoreOptions::tls).
+  TlsOptions tls;
   // Largest message (payload plus tensors) sent or accepted, in bytes.
   std::uint64_t max_message_bytes = 16ull << 30;
   // How long a blocking call (rpc_sync, to_here) polls for its reply, yielding the CPU, before it

@@ -58,10 +58,12 @@
 #include <string>
 #include <vector>
 
+#include "distrpc/net/tls.hpp"
 #include "distrpc/store/detail/tcp_store_client.hpp"
 #include "distrpc/store/detail/tcp_store_protocol.hpp"
 #include "distrpc/store/detail/tcp_store_server.hpp"
 #include "distrpc/store/store.hpp"
+#include "distrpc/tls_options.hpp"
 
 namespace distrpc::store {
 
@@ -92,6 +94,11 @@ struct TCPStoreOptions {
   // A file holding the secret (one line, mode 0600 or stricter: a file open to group or others is
   // refused).
   std::string auth_secret_file;
+  // Mutual TLS (docs/security.md, "TLS"): the server and every client present a certificate the CA
+  // in ca_file signed and check the other's; every byte, the secret's challenge-response included,
+  // is encrypted. Empty: DISTRPC_TLS_CERT / _KEY / _CA, else plain TCP. With TLS, PyTorch's own
+  // TCPStore cannot connect.
+  TlsOptions tls;
 };
 
 class TCPStore : public Store {
@@ -116,15 +123,23 @@ class TCPStore : public Store {
                       std::to_string(opts_.world_size));
     }
     secret_ = wire::auth::resolve_secret(opts_.auth_secret, opts_.auth_secret_file);
+    std::shared_ptr<asio::ssl::context> server_tls;
+    if (const auto tls = net::tls::resolve(opts_.tls)) {
+      tls_ = net::tls::make_context(*tls);
+      if (opts_.is_master) {
+        server_tls = std::make_shared<asio::ssl::context>(asio::ssl::context::tls_server);
+        net::tls::configure(server_tls->native_handle(), *tls);
+      }
+    }
     if (opts_.is_master) {
       server_ = std::make_unique<detail::Server>(
           opts_.listen_address.empty() ? opts_.host : opts_.listen_address, opts_.port,
-          opts_.handshake_timeout, secret_);
+          opts_.handshake_timeout, secret_, std::move(server_tls));
       opts_.port = server_->port();
     }
     name_ = "TCPStore(" + detail::host_port(opts_.host, opts_.port) + ")";
-    idle_.push_back(
-        std::make_unique<detail::Connection>(opts_.host, opts_.port, opts_.timeout, secret_));
+    idle_.push_back(std::make_unique<detail::Connection>(opts_.host, opts_.port, opts_.timeout,
+                                                         secret_, tls_.get()));
     if (opts_.world_size > 0) {
       // c10d's registration: every store object that knows the world size adds 1 to "init/"
       // (unprefixed), which a c10d master waiting for its workers polls and ours waits on.
@@ -343,7 +358,8 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout(), secret_);
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout(), secret_,
+                                                tls_.get());
   }
 
   void release(std::unique_ptr<detail::Connection> c) {
@@ -431,6 +447,7 @@ class TCPStore : public Store {
 
   TCPStoreOptions opts_;
   std::optional<std::string> secret_;  // resolved from the options or the environment
+  net::tls::SslCtxPtr tls_;            // with TLS: the clients' context (the server has its own)
   std::string name_;
   std::unique_ptr<detail::Server> server_;
   std::mutex mu_;  // guards idle_ and lost_

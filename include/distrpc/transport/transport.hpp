@@ -21,6 +21,7 @@
 
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/log.hpp"
+#include "distrpc/tls_options.hpp"
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/message.hpp"
 
@@ -37,6 +38,10 @@ struct TransportOptions {
   // never sent. Empty: DISTRPC_AUTH_SECRET_FILE's file, else DISTRPC_AUTH_SECRET, else none
   // (docs/security.md).
   std::string auth_token;
+  // Mutual TLS (docs/security.md, "TLS"): every connection is encrypted and both ends present a
+  // certificate signed by the CA in ca_file. Empty: DISTRPC_TLS_CERT / _KEY / _CA, else plain TCP.
+  // Policies that never leave the host (Shm) ignore it.
+  TlsOptions tls;
   wire::Limits limits{};                  // frames beyond these are refused / dropped
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(30)};
   // How long a refused connection is retried (within connect_timeout). A peer that is still

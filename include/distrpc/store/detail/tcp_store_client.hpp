@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +33,7 @@
 #include "distrpc/net/dial.hpp"
 #include "distrpc/net/errno_text.hpp"
 #include "distrpc/net/fd.hpp"
+#include "distrpc/net/tls.hpp"
 #include "distrpc/store/detail/common.hpp"
 #include "distrpc/store/store.hpp"
 
@@ -59,8 +61,11 @@ class Connection {
   // `secret` (tcp_store_protocol.hpp: the secret itself is never sent), then checks that the peer
   // speaks c10d's TCPStore protocol: a CHECK of no keys must be answered READY. (c10d has no
   // handshake; this one is valid on every c10d server of the legacy numbering.)
+  // With `tls` (net::tls::make_context), a TLS handshake comes first, in which each side checks
+  // the other's certificate against the CA; everything after it (authentication included) runs
+  // inside it.
   Connection(const std::string& host, int port, std::chrono::milliseconds timeout,
-             const std::optional<std::string>& secret)
+             const std::optional<std::string>& secret, SSL_CTX* tls = nullptr)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
     // The server may start later: a refusal is retried like any failure until the deadline (none
@@ -81,6 +86,7 @@ class Connection {
                                   " ms (last error: " + end.last.text + ")");
         });
     try {
+      if (tls) tls_handshake(tls, deadline);
       if (secret) authenticate(*secret, deadline);
       Buffer& b = out();
       b.push_back(kCheckByte);
@@ -88,17 +94,25 @@ class Connection {
       auto what = [] { return std::string("the first request"); };
       send(deadline, what);
       const std::uint8_t r = read_u8(deadline, what);
+      if (!ssl_ && (r == 0x15 || r == 0x16)) {
+        // A TLS record's first byte (an alert, a handshake): the server refused our plain bytes.
+        throw DistNetworkError("TCPStore: the server at " + where_ +
+                               " answered with TLS: it has TLS configured, and this client has "
+                               "none (TCPStoreOptions::tls or DISTRPC_TLS_CERT/_KEY/_CA)");
+      }
       if (r != kReady) {
         throw DistNetworkError("TCPStore: " + where_ + " answered " + std::to_string(r) +
                                " to a CHECK of no keys: not a TCPStore server");
       }
+      greeted_ = true;
     } catch (const ConnectionLost& e) {
       fd_.reset();
-      if (secret) throw;
-      // A server with a secret closes the connection of a client without one at its first byte.
+      if (secret || ssl_) throw;
+      // A server with a secret closes the connection of a client without one at its first byte,
+      // and one with TLS the connection of a client without TLS.
       throw ConnectionLost(std::string(e.what()) +
-                           " (a server with a shared secret refuses a client without one: see "
-                           "the server's log)");
+                           " (a server with a shared secret refuses a client without one, and a "
+                           "server with TLS a client without TLS: see the server's log)");
     } catch (const std::exception& e) {
       fd_.reset();
       if (dynamic_cast<const DistNetworkError*>(&e)) throw;
@@ -109,6 +123,11 @@ class Connection {
 
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
+  ~Connection() {
+    // close_notify: the server sees an orderly end, not a truncated stream. Best effort (the
+    // socket's 100 ms send timeout bounds it).
+    if (ssl_ && fd_ && !broken_) SSL_shutdown(ssl_.get());
+  }
 
   // The request buffer: cleared by send(); append a query byte and its fields.
   Buffer& out() { return out_; }
@@ -123,7 +142,9 @@ class Connection {
   void send(const Deadline& deadline, const Describe& describe) {
     std::size_t done = 0;
     while (done < out_.size()) {
-      const ssize_t n = ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+      const ssize_t n =
+          ssl_ ? tls_io(/*write=*/true, out_.data() + done, out_.size() - done, describe)
+               : ::send(fd_.get(), out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
       if (n >= 0) {
         done += static_cast<std::size_t>(n);
         continue;
@@ -294,7 +315,8 @@ class Connection {
     auto* p = static_cast<std::uint8_t*>(dst);
     std::size_t have = 0;
     while (have < n) {
-      const ssize_t got = ::recv(fd_.get(), p + have, n - have, 0);
+      const ssize_t got = ssl_ ? tls_io(/*write=*/false, p + have, n - have, what)
+                               : ::recv(fd_.get(), p + have, n - have, 0);
       if (got > 0) {
         have += static_cast<std::size_t>(got);
         continue;
@@ -309,8 +331,64 @@ class Connection {
     }
   }
 
+  // The TLS handshake on the connected (blocking, 100 ms timeouts) socket, until the deadline.
+  void tls_handshake(SSL_CTX* tls, const Deadline& deadline) {
+    ssl_ = net::tls::make_ssl(tls, fd_.get(), /*client=*/true);
+    for (;;) {
+      net::tls::Step st =
+          net::tls::step(ssl_.get(), nullptr, [](SSL* s) { return SSL_do_handshake(s); });
+      if (st.ret > 0) return;
+      if (st.err == SSL_ERROR_WANT_READ || st.err == SSL_ERROR_WANT_WRITE) {
+        if (deadline.expired()) no_answer("the TLS handshake");
+        continue;
+      }
+      broken_ = true;
+      throw DistNetworkError(
+          "TCPStore: TLS handshake with " + where_ + " failed: " +
+          (st.eof || st.reset
+               ? std::string("the server closed the connection (does it have TLS configured?)")
+               : st.why));
+    }
+  }
+
+  // One SSL_write or SSL_read: what send(2)/recv(2) would return (-1 with errno EAGAIN for a
+  // retry). A TLS failure throws: before the first reply it is the handshake's (with TLS 1.3 the
+  // server checks our certificate after our side of the handshake is done).
+  template <class Describe>
+  ssize_t tls_io(bool write, void* buf, std::size_t n, const Describe& describe) {
+    const int len = static_cast<int>(std::min<std::size_t>(n, INT_MAX));
+    net::tls::Step st = net::tls::step(ssl_.get(), nullptr, [&](SSL* s) {
+      return write ? SSL_write(s, buf, len) : SSL_read(s, buf, len);
+    });
+    if (st.ret > 0) return st.ret;
+    if (st.err == SSL_ERROR_WANT_READ || st.err == SSL_ERROR_WANT_WRITE) {
+      errno = EAGAIN;
+      return -1;
+    }
+    if (write && !greeted_ && (st.eof || st.reset)) {
+      // A server that refused our certificate sends an alert, then hangs up: a write racing the
+      // hang-up fails first, and the alert, still to be read, says why.
+      char byte = 0;
+      net::tls::Step probe =
+          net::tls::step(ssl_.get(), nullptr, [&](SSL* s) { return SSL_read(s, &byte, 1); });
+      if (probe.ret <= 0 && !probe.eof && !probe.reset && probe.err != SSL_ERROR_WANT_READ &&
+          probe.err != SSL_ERROR_WANT_WRITE) {
+        broken_ = true;
+        throw DistNetworkError("TCPStore: TLS handshake with " + where_ + " failed: " + probe.why);
+      }
+    }
+    if (st.eof || st.reset) return write ? (errno = EPIPE, -1) : 0;
+    broken_ = true;
+    if (!greeted_) {
+      throw DistNetworkError("TCPStore: TLS handshake with " + where_ + " failed: " + st.why);
+    }
+    lost(describe(), "TLS: " + st.why);
+  }
+
   std::string where_;
   net::Fd fd_;
+  net::tls::SslPtr ssl_;  // with TLS: the session on fd_
+  bool greeted_ = false;  // the server answered our first request
   Buffer out_;
   bool broken_ = false;
 };

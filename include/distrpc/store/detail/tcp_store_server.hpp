@@ -16,6 +16,7 @@
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/post.hpp>
+#include <asio/ssl.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/write.hpp>
 #include <atomic>
@@ -53,9 +54,16 @@ class Server {
   // thread of its own until destroyed.
   // With a `secret`, a connection is served only once its client has proved it has the secret
   // (tcp_store_protocol.hpp); until then nothing is read or written on its behalf.
+  // With `tls` (a context configured by net::tls::configure), every connection opens with a TLS
+  // handshake in which the client must present a certificate the CA signed; the secret's
+  // challenge-response and every request then run inside it. Asio's ssl::stream here: the server
+  // is all Asio, on one thread.
   Server(const std::string& listen_host, int port, std::chrono::milliseconds handshake_timeout,
-         std::optional<std::string> secret)
-      : acceptor_(io_), handshake_timeout_(handshake_timeout), secret_(std::move(secret)) {
+         std::optional<std::string> secret, std::shared_ptr<asio::ssl::context> tls = nullptr)
+      : acceptor_(io_),
+        handshake_timeout_(handshake_timeout),
+        secret_(std::move(secret)),
+        tls_(std::move(tls)) {
     asio::ip::tcp::endpoint ep;
     try {
       asio::ip::tcp::resolver resolver(io_);
@@ -161,7 +169,8 @@ class Server {
     }
 
     void start() {
-      // c10d has no handshake: a connection proves itself with its first complete request.
+      // c10d has no handshake: a connection proves itself with its first complete request (with
+      // TLS, the TLS handshake comes first, within the same time).
       hello_timer.expires_after(server.handshake_timeout_);
       hello_timer.async_wait([weak = weak_from_this()](asio::error_code ec) {
         auto self = weak.lock();
@@ -169,7 +178,27 @@ class Server {
         self->fail("no request within " + std::to_string(self->server.handshake_timeout_.count()) +
                    " ms");
       });
-      read_more();
+      if (!server.tls_) return read_more();
+      tls = std::make_unique<asio::ssl::stream<asio::ip::tcp::socket&>>(socket, *server.tls_);
+      tls->async_handshake(asio::ssl::stream_base::server,
+                           [self = shared_from_this()](asio::error_code ec) {
+                             if (self->closed) return;
+                             if (ec) {
+                               self->fail("TLS handshake failed: " + tls_reason(ec));
+                               return;
+                             }
+                             self->read_more();
+                           });
+    }
+
+    // OpenSSL's reason without Asio's "(SSL routines)" suffix.
+    static std::string tls_reason(const asio::error_code& ec) {
+      if (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated) {
+        return "the peer closed the connection";
+      }
+      std::string m = ec.message();
+      if (const auto at = m.find(" (SSL routines)"); at != std::string::npos) m.erase(at);
+      return m;
     }
 
     void read_more() {
@@ -178,10 +207,14 @@ class Server {
       const std::size_t want = std::max<std::size_t>(64 * 1024, in_len);
       if (in.size() - in_len < want / 2 || in.size() == in_len) in.resize(in_len + want);
       reading = true;
-      socket.async_read_some(asio::buffer(in.data() + in_len, in.size() - in_len),
-                             [self = shared_from_this()](asio::error_code ec, std::size_t n) {
-                               self->on_read(ec, n);
-                             });
+      auto done = [self = shared_from_this()](asio::error_code ec, std::size_t n) {
+        self->on_read(ec, n);
+      };
+      if (tls) {
+        tls->async_read_some(asio::buffer(in.data() + in_len, in.size() - in_len), done);
+      } else {
+        socket.async_read_some(asio::buffer(in.data() + in_len, in.size() - in_len), done);
+      }
     }
 
     void on_read(asio::error_code ec, std::size_t n) {
@@ -189,6 +222,8 @@ class Server {
       if (closed) return;
       if (ec) {
         if (ec == asio::error::operation_aborted) return;
+        // A TLS client that closes without close_notify: the end of its stream all the same.
+        if (ec == asio::ssl::error::stream_truncated) ec = asio::error::eof;
         if (ec == asio::error::eof && in_len == 0) {
           close();  // an orderly goodbye between requests
         } else if (ec == asio::error::eof) {
@@ -253,20 +288,24 @@ class Server {
     }
 
     void write_front() {
-      asio::async_write(socket, asio::buffer(out.front()),
-                        [self = shared_from_this()](asio::error_code ec, std::size_t) {
-                          if (self->closed) return;
-                          if (ec) {
-                            self->fail("write error: " + ec.message());
-                            return;
-                          }
-                          self->out.pop_front();
-                          if (!self->out.empty()) {
-                            self->write_front();
-                          } else {
-                            self->pump();
-                          }
-                        });
+      auto done = [self = shared_from_this()](asio::error_code ec, std::size_t) {
+        if (self->closed) return;
+        if (ec) {
+          self->fail("write error: " + ec.message());
+          return;
+        }
+        self->out.pop_front();
+        if (!self->out.empty()) {
+          self->write_front();
+        } else {
+          self->pump();
+        }
+      };
+      if (tls) {
+        asio::async_write(*tls, asio::buffer(out.front()), std::move(done));
+      } else {
+        asio::async_write(socket, asio::buffer(out.front()), std::move(done));
+      }
     }
 
     // Logs why, once, then closes.
@@ -296,6 +335,7 @@ class Server {
 
     Server& server;
     asio::ip::tcp::socket socket;
+    std::unique_ptr<asio::ssl::stream<asio::ip::tcp::socket&>> tls;  // with TLS, over `socket`
     asio::steady_timer hello_timer;
     std::string peer;
     Buffer in;
@@ -709,7 +749,8 @@ class Server {
   asio::io_context io_{1};
   asio::ip::tcp::acceptor acceptor_;
   std::chrono::milliseconds handshake_timeout_;
-  std::optional<std::string> secret_;  // the shared secret clients must prove; none: no check
+  std::optional<std::string> secret_;        // the shared secret clients must prove; none: no check
+  std::shared_ptr<asio::ssl::context> tls_;  // with TLS: what every connection's session comes from
   std::uint16_t port_ = 0;
   std::string name_;
   std::unordered_map<std::string, Bytes> map_;

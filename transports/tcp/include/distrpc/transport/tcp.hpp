@@ -14,6 +14,14 @@
 // a request it read while the other keeps reading (leader/follower, transport.hpp InlineScope and
 // docs/threading.md). Handshakes never wait for the reading threads, so a send made from inside a
 // callback (a reply) cannot deadlock two processes connecting to each other at the same time.
+//
+// TLS (TransportOptions::tls, docs/security.md "TLS"): an OpenSSL SSL* bound to the connection's
+// descriptor (SSL_set_fd), not Asio's ssl::stream, because established connections are read by the
+// epoll threads on raw descriptors: the TLS handshake runs first (on the listener's Asio loop for
+// an incoming connection, on the calling thread for an outgoing one), then the Hello and the
+// secret's challenge-response inside it, and the reading threads and writers call
+// SSL_read/SSL_write where the plain path calls recv/readv/sendmsg. A connection without TLS takes
+// one predictable branch more on each read and write, nothing else.
 #pragma once
 
 #include <fcntl.h>
@@ -67,6 +75,7 @@
 #include "distrpc/net/dial.hpp"
 #include "distrpc/net/errno_text.hpp"
 #include "distrpc/net/fd.hpp"
+#include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
@@ -287,6 +296,11 @@ struct Connection {
   std::uint64_t generation = 0;  // of the Peer's liveness when it was made or adopted
   std::string peer_name;
   std::string remote;  // "host:port" of the other end, for logs and errors
+  // With TLS: the session on `fd`. One thread reads and others write, and an SSL* is not safe for
+  // two threads at once: ssl_mu is held for each SSL call (never across a wait).
+  net::tls::SslPtr ssl;
+  std::mutex ssl_mu;
+  std::string tls_failure;  // the reading thread's last TLS error
 
   std::mutex write_mu;              // one frame at a time: frames never interleave
   std::string header_scratch;       // under write_mu: reused so a send allocates nothing
@@ -372,8 +386,9 @@ struct PendingHandshake {
   wire::Hello hello;
   wire::Hello mine;  // the Hello sent back: its nonce is what the dialler's answer must cover
   wire::Message reply;
-  std::string reply_header;
+  std::string reply_bytes;  // our Hello's frame, header and payload
   std::string remote;
+  net::tls::SslPtr ssl;  // with TLS: the session, handshaken before the Hello
   bool finished = false;
 };
 
@@ -386,6 +401,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
         acceptor_(lio_),
         accept_retry_(lio_) {
     token_ = transport::detail::transport_secret(options_);
+    if (const auto tls = net::tls::resolve(options_.tls)) tls_ = net::tls::make_context(*tls);
     epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
     if (epfd_ < 0)
       throw DistNetworkError("distrpc tcp: epoll_create1 failed: " + errno_text(errno));
@@ -619,15 +635,102 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const auto ep = h->sock.remote_endpoint(ec);
     h->remote = ec ? std::string("(unknown address)") : endpoint_text(ep);
     tune_socket(h->sock.native_handle());
+    // The TLS handshake, the Hello and the secret's challenge-response all fall within it.
     h->timer.expires_after(options_.connect_timeout);
     h->timer.async_wait([this, h](const asio::error_code& tec) {
       if (tec || h->finished) return;
       fail_handshake(
           *h, "no handshake within " + std::to_string(options_.connect_timeout.count()) + " ms");
     });
-    asio::async_read(
-        h->sock, asio::buffer(h->fixed),
-        [this, h](const asio::error_code& rec, std::size_t) { on_hello_header(h, rec); });
+    if (!tls_) return read_hello(h);
+    try {
+      h->sock.non_blocking(true);
+      h->ssl = net::tls::make_ssl(tls_.get(), h->sock.native_handle(), /*client=*/false);
+    } catch (const std::exception& e) {
+      return fail_handshake(*h, e.what());
+    }
+    tls_async(
+        h, [](SSL* s) { return SSL_do_handshake(s); },
+        [this, h](const std::string& err) {
+          if (!err.empty()) return fail_handshake(*h, "TLS handshake failed: " + err);
+          read_hello(h);
+        });
+  }
+
+  // One non-blocking SSL call, repeated whenever the socket is ready for what it waits on;
+  // done("") once it succeeds, done(why) when it fails. Listener thread only.
+  template <class Op, class Done>
+  void tls_async(const std::shared_ptr<PendingHandshake>& h, Op op, Done done) {
+    if (h->finished || stopping_.load()) return;
+    net::tls::Step st = net::tls::step(h->ssl.get(), nullptr, op);
+    if (st.ret > 0) return done(std::string());
+    if (st.err == SSL_ERROR_WANT_READ || st.err == SSL_ERROR_WANT_WRITE) {
+      const auto what = st.err == SSL_ERROR_WANT_READ ? asio::ip::tcp::socket::wait_read
+                                                      : asio::ip::tcp::socket::wait_write;
+      h->sock.async_wait(what, [this, h, op = std::move(op),
+                                done = std::move(done)](const asio::error_code& ec) mutable {
+        if (h->finished || stopping_.load()) return;
+        if (ec) return done("waiting on the socket failed: " + ec.message());
+        tls_async(h, std::move(op), std::move(done));
+      });
+      return;
+    }
+    done(st.eof ? std::string("the peer closed the connection during the TLS handshake") : st.why);
+  }
+
+  // Reads exactly `n` bytes of the handshake (through TLS when it is on); done("") or done(why).
+  template <class Done>
+  void hs_read(const std::shared_ptr<PendingHandshake>& h, char* buf, std::size_t n, Done done) {
+    if (!h->ssl) {
+      asio::async_read(h->sock, asio::buffer(buf, n),
+                       [this, h, done = std::move(done)](const asio::error_code& ec, std::size_t) {
+                         if (h->finished || stopping_.load()) return;
+                         done(ec ? handshake_read_error(ec) : std::string());
+                       });
+      return;
+    }
+    auto got = std::make_shared<std::size_t>(0);
+    tls_async(
+        h,
+        [buf, n, got](SSL* s) {
+          while (*got < n) {
+            const int r = SSL_read(s, buf + *got, static_cast<int>(n - *got));
+            if (r <= 0) return r;
+            *got += static_cast<std::size_t>(r);
+          }
+          return 1;
+        },
+        [done = std::move(done)](const std::string& err) {
+          done(err.empty() ? err : "reading the handshake failed: " + err);
+        });
+  }
+
+  template <class Done>
+  void hs_write(const std::shared_ptr<PendingHandshake>& h, const std::string& bytes, Done done) {
+    if (!h->ssl) {
+      asio::async_write(
+          h->sock, asio::buffer(bytes),
+          [this, h, done = std::move(done)](const asio::error_code& ec, std::size_t) {
+            if (h->finished || stopping_.load()) return;
+            done(ec ? "sending the handshake reply failed: " + ec.message() : std::string());
+          });
+      return;
+    }
+    auto sent = std::make_shared<std::size_t>(0);
+    tls_async(
+        h,
+        [&bytes, sent](SSL* s) {
+          while (*sent < bytes.size()) {
+            const int r =
+                SSL_write(s, bytes.data() + *sent, static_cast<int>(bytes.size() - *sent));
+            if (r <= 0) return r;
+            *sent += static_cast<std::size_t>(r);
+          }
+          return 1;
+        },
+        [done = std::move(done)](const std::string& err) {
+          done(err.empty() ? err : "sending the handshake reply failed: " + err);
+        });
   }
 
   static std::string handshake_read_error(const asio::error_code& ec) {
@@ -635,9 +738,20 @@ class Impl : public std::enable_shared_from_this<Impl> {
     return "reading the handshake failed: " + ec.message();
   }
 
-  void on_hello_header(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+  void read_hello(const std::shared_ptr<PendingHandshake>& h) {
+    hs_read(h, h->fixed.data(), h->fixed.size(),
+            [this, h](const std::string& err) { on_hello_header(h, err); });
+  }
+
+  void on_hello_header(const std::shared_ptr<PendingHandshake>& h, const std::string& err) {
     if (h->finished || stopping_.load()) return;
-    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    if (!err.empty()) return fail_handshake(*h, err);
+    if (!h->ssl &&
+        net::tls::looks_like_tls(reinterpret_cast<const unsigned char*>(h->fixed.data()))) {
+      return fail_handshake(*h,
+                            "the peer speaks TLS, and this worker has no TLS configured "
+                            "(TransportOptions::tls or DISTRPC_TLS_CERT/_KEY/_CA)");
+    }
     try {
       h->decoder.feed(h->fixed.data(), h->fixed.size());
       // hello_limits() allows no buffers, so a complete fixed part is a complete header.
@@ -646,29 +760,26 @@ class Impl : public std::enable_shared_from_this<Impl> {
     } catch (const std::exception& e) {
       return fail_handshake(*h, std::string("bad handshake: ") + e.what());
     }
-    asio::async_read(
-        h->sock, asio::buffer(h->request.payload),
-        [this, h](const asio::error_code& rec, std::size_t) { on_hello_body(h, rec); });
+    hs_read(h, h->request.payload.data(), h->request.payload.size(),
+            [this, h](const std::string& rerr) { on_hello_body(h, rerr); });
   }
 
-  void on_hello_body(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+  void on_hello_body(const std::shared_ptr<PendingHandshake>& h, const std::string& err) {
     if (h->finished || stopping_.load()) return;
-    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    if (!err.empty()) return fail_handshake(*h, err);
     try {
       h->hello = wire::decode_hello(h->request);
       wire::check_auth_offer(h->hello, token_.has_value());
       check_claimed_identity(h->hello);
       h->mine = wire::make_acceptor_hello(my_hello(), h->hello, token_);
       h->reply = wire::encode_hello(h->mine);
-      h->reply_header = wire::encode_frame_header(h->reply);
+      h->reply_bytes = wire::encode_frame_header(h->reply) + h->reply.payload;
     } catch (const std::exception& e) {
       return fail_handshake(*h, std::string("bad handshake: ") + e.what());
     }
-    const std::array<asio::const_buffer, 2> bufs{asio::buffer(h->reply_header),
-                                                 asio::buffer(h->reply.payload)};
-    asio::async_write(h->sock, bufs, [this, h](const asio::error_code& wec, std::size_t) {
+    hs_write(h, h->reply_bytes, [this, h](const std::string& werr) {
       if (h->finished || stopping_.load()) return;
-      if (wec) return fail_handshake(*h, "sending the handshake reply failed: " + wec.message());
+      if (!werr.empty()) return fail_handshake(*h, werr);
       if (token_) return read_auth_answer(h);
       h->finished = true;
       h->timer.cancel();
@@ -679,14 +790,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // With a secret: the dialler's proof (an AuthAnswer frame) comes next; nothing is adopted
   // before it checks out.
   void read_auth_answer(const std::shared_ptr<PendingHandshake>& h) {
-    asio::async_read(
-        h->sock, asio::buffer(h->fixed),
-        [this, h](const asio::error_code& rec, std::size_t) { on_answer_header(h, rec); });
+    hs_read(h, h->fixed.data(), h->fixed.size(),
+            [this, h](const std::string& err) { on_answer_header(h, err); });
   }
 
-  void on_answer_header(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+  void on_answer_header(const std::shared_ptr<PendingHandshake>& h, const std::string& err) {
     if (h->finished || stopping_.load()) return;
-    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    if (!err.empty()) return fail_handshake(*h, err);
     try {
       wire::FrameDecoder decoder(hello_limits());
       decoder.feed(h->fixed.data(), h->fixed.size());
@@ -695,14 +805,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     } catch (const std::exception& e) {
       return fail_handshake(*h, std::string("bad handshake: ") + e.what());
     }
-    asio::async_read(
-        h->sock, asio::buffer(h->request.payload),
-        [this, h](const asio::error_code& rec, std::size_t) { on_answer_body(h, rec); });
+    hs_read(h, h->request.payload.data(), h->request.payload.size(),
+            [this, h](const std::string& rerr) { on_answer_body(h, rerr); });
   }
 
-  void on_answer_body(const std::shared_ptr<PendingHandshake>& h, const asio::error_code& ec) {
+  void on_answer_body(const std::shared_ptr<PendingHandshake>& h, const std::string& err) {
     if (h->finished || stopping_.load()) return;
-    if (ec) return fail_handshake(*h, handshake_read_error(ec));
+    if (!err.empty()) return fail_handshake(*h, err);
     try {
       const wire::auth::Proof answer =
           wire::decode_auth_answer(h->request, wire::hello_who(h->hello));
@@ -752,6 +861,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     c->peer = static_cast<int>(h.hello.worker_id);
     c->peer_name = h.hello.worker_name;
     c->remote = h.remote;
+    c->ssl = std::move(h.ssl);
     if (!register_connection(c)) {
       c->close();
       return;
@@ -887,31 +997,79 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const auto error = [&](const std::string& what) {
       return DistNetworkError("distrpc tcp: handshake with " + who + " failed: " + what);
     };
+    // With TLS, a TLS failure after our handshake completed is still the handshake's: in TLS 1.3
+    // the acceptor checks our certificate after we are done, and says so on our first read.
+    const auto tls_error = [&](const std::string& what) {
+      return DistNetworkError("distrpc tcp: TLS handshake with " + who + " failed: " + what);
+    };
+    std::string tls_why;
     const auto io_text = [&](int err) {
-      if (err == kEndOfStream) {
+      // A reset is a close with our bytes unread: the peer refused what we sent all the same.
+      if (err == kEndOfStream || err == ECONNRESET) {
         return std::string(
             "the peer closed the connection (it refused our handshake: see its log; a shared "
-            "secret on one side only, a protocol version or a worker identity are the usual "
-            "reasons)");
+            "secret on one side only, TLS on one side only, a protocol version or a worker "
+            "identity are the usual reasons)");
       }
       if (err == ETIMEDOUT) {
         return "no reply within " + std::to_string(options_.connect_timeout.count()) +
                " ms (connect_timeout)";
       }
       if (err == ECANCELED) return std::string("the transport is shut down");
+      if (err == net::tls::kTlsFailed) return tls_why;
       return errno_text(err);
+    };
+    net::tls::SslPtr ssl;
+    if (tls_) {
+      ssl = net::tls::make_ssl(tls_.get(), fd.get(), /*client=*/true);
+      const int err = net::tls::handshake(ssl.get(), fd.get(), deadline, stopping_, tls_why);
+      if (err == kEndOfStream) {
+        throw tls_error(
+            "the peer closed the connection during the TLS handshake (does it have TLS "
+            "configured?)");
+      }
+      if (err != 0) throw tls_error(io_text(err));
+    }
+    const auto send_bytes = [&](iovec* iov, std::size_t n) {
+      if (ssl)
+        return net::tls::write_all(ssl.get(), fd.get(), nullptr, iov, n, deadline, stopping_,
+                                   tls_why);
+      return write_all(fd.get(), iov, n, deadline, stopping_);
+    };
+    const auto recv_bytes = [&](char* buf, std::size_t n) {
+      if (ssl)
+        return net::tls::read_exact(ssl.get(), fd.get(), buf, n, deadline, stopping_, tls_why);
+      return read_exact(fd.get(), buf, n, deadline, stopping_);
+    };
+    const auto failed = [&](const std::string& step, int err) {
+      if (err == net::tls::kTlsFailed) return tls_error(tls_why);
+      // With TLS, an acceptor that refused our certificate sends an alert, then hangs up: a write
+      // racing the hang-up fails first, and the alert, still to be read, says why.
+      if (ssl && err == kEndOfStream) {
+        char byte = 0;
+        const auto soon = std::min(deadline, Clock::now() + std::chrono::seconds(1));
+        if (net::tls::read_exact(ssl.get(), fd.get(), &byte, 1, soon, stopping_, tls_why) ==
+            net::tls::kTlsFailed) {
+          return tls_error(tls_why);
+        }
+      }
+      return error(step + io_text(err));
     };
     const wire::Hello mine = my_hello();
     wire::Message hello = wire::encode_hello(mine);
     std::string header = wire::encode_frame_header(hello);
     std::array<iovec, 2> iov{iovec{header.data(), header.size()},
                              iovec{hello.payload.data(), hello.payload.size()}};
-    if (const int err = write_all(fd.get(), iov.data(), iov.size(), deadline, stopping_)) {
-      throw error("sending our Hello: " + io_text(err));
-    }
+    if (const int err = send_bytes(iov.data(), iov.size()))
+      throw failed("sending our Hello: ", err);
     std::array<char, wire::kFrameFixedBytes> fixed{};
-    if (const int err = read_exact(fd.get(), fixed.data(), fixed.size(), deadline, stopping_)) {
-      throw error("reading its Hello: " + io_text(err));
+    if (const int err = recv_bytes(fixed.data(), fixed.size())) {
+      throw failed("reading its Hello: ", err);
+    }
+    if (!ssl && net::tls::looks_like_tls(reinterpret_cast<const unsigned char*>(fixed.data()))) {
+      throw error(
+          "the peer answered with TLS: it has TLS configured, and this worker has none "
+          "(TransportOptions::tls or DISTRPC_TLS_CERT/_KEY/_CA)");
     }
     wire::Hello theirs;
     std::optional<wire::auth::Proof> answer;
@@ -920,9 +1078,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       decoder.feed(fixed.data(), fixed.size());
       if (!decoder.done()) throw wire::ProtocolError("handshake frame header incomplete");
       wire::Message reply = wire::allocate_message(decoder.header());
-      if (const int err = read_exact(fd.get(), reply.payload.data(), reply.payload.size(), deadline,
-                                     stopping_)) {
-        throw error("reading its Hello: " + io_text(err));
+      if (const int err = recv_bytes(reply.payload.data(), reply.payload.size())) {
+        throw failed("reading its Hello: ", err);
       }
       theirs = wire::decode_hello(reply);
       answer = wire::answer_acceptor(mine, theirs, token_);
@@ -939,12 +1096,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::string answer_header = wire::encode_frame_header(m);
       std::array<iovec, 2> aiov{iovec{answer_header.data(), answer_header.size()},
                                 iovec{const_cast<char*>(m.payload.data()), m.payload.size()}};
-      if (const int err = write_all(fd.get(), aiov.data(), aiov.size(), deadline, stopping_)) {
-        throw error("sending our answer to its challenge: " + io_text(err));
+      if (const int err = send_bytes(aiov.data(), aiov.size())) {
+        throw failed("sending our answer to its challenge: ", err);
       }
     }
     auto c = std::make_shared<Connection>();
     c->fd = fd.release();
+    c->ssl = std::move(ssl);
     c->outgoing = true;
     c->peer = id;
     c->peer_name = theirs.worker_name;
@@ -987,10 +1145,15 @@ class Impl : public std::enable_shared_from_this<Impl> {
     for (const at::Tensor& b : m.buffers) {
       iov[n++] = iovec{b.data_ptr(), static_cast<std::size_t>(b.numel())};
     }
-    const int err = write_all(c.fd, iov, n, std::nullopt, stopping_);
+    std::string tls_why;
+    const int err = c.ssl ? net::tls::write_all(c.ssl.get(), c.fd, &c.ssl_mu, iov, n, std::nullopt,
+                                                stopping_, tls_why)
+                          : write_all(c.fd, iov, n, std::nullopt, stopping_);
     if (err == 0) return;
-    const std::string text =
-        err == ECANCELED ? std::string("the transport was shut down mid-write") : errno_text(err);
+    const std::string text = err == ECANCELED ? std::string("the transport was shut down mid-write")
+                             : err == kEndOfStream ? std::string("the peer closed the connection")
+                             : err == net::tls::kTlsFailed ? "TLS: " + tls_why
+                                                           : errno_text(err);
     // Part of a frame may be on the wire: the stream is unusable. A reading thread sees the
     // shutdown as the end of the stream, closes the connection and reports this reason.
     c.record_failure("write failed: " + text);
@@ -1092,7 +1255,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (c->closed.load() || stopping_.load()) return false;
       ssize_t r;
       const bool direct = c->in_body && c->body_total - c->body_received >= kDirectReadBytes;
-      if (direct) {
+      if (c->ssl) {
+        r = tls_read(*c, direct);
+      } else if (direct) {
         r = read_body_direct(*c);
       } else {
         r = ::recv(c->fd, c->rbuf.get(), kReadBufferBytes, 0);
@@ -1102,6 +1267,10 @@ class Impl : public std::enable_shared_from_this<Impl> {
         return false;
       }
       if (r < 0) {
+        if (r == net::tls::kTlsFailed) {
+          read_failed(c, "TLS: " + c->tls_failure);
+          return false;
+        }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
         read_failed(c, errno_text(errno));
@@ -1126,8 +1295,32 @@ class Impl : public std::enable_shared_from_this<Impl> {
         drop(c, e.what());
         return false;
       }
-      if (!direct && static_cast<std::size_t>(r) < kReadBufferBytes) return true;
+      // A TLS read returns one record at most: a short one does not show the socket empty, and
+      // the next read tells (EAGAIN).
+      if (!direct && static_cast<std::size_t>(r) < kReadBufferBytes && !c->ssl) return true;
     }
+  }
+
+  // One SSL_read, into the buffer or straight into the body's current segment. OpenSSL reads
+  // one record from the socket at a time (no read-ahead), so what it has not handed out yet is
+  // still in the socket and the level-triggered registration sees it.
+  ssize_t tls_read(Connection& c, bool direct) {
+    char* dst = c.rbuf.get();
+    std::size_t len = kReadBufferBytes;
+    if (direct) {
+      std::size_t skip = c.body_received;
+      for (std::size_t i = 0; i < segment_count(c); ++i) {
+        auto [ptr, seg_len] = segment(c, i);
+        if (skip >= seg_len) {
+          skip -= seg_len;
+          continue;
+        }
+        dst = ptr + skip;
+        len = seg_len - skip;
+        break;
+      }
+    }
+    return net::tls::read_some(c.ssl.get(), &c.ssl_mu, dst, len, c.tls_failure);
   }
 
   // One readv straight into the message's remaining segments (no copy through rbuf).
@@ -1329,6 +1522,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   const TransportOptions options_;
   const TransportCallbacks callbacks_;
   std::optional<std::string> token_;
+  net::tls::SslCtxPtr tls_;  // with TLS: the context every connection's session comes from
   std::string address_;
 
   // Declared before everything holding sockets or timers, so it is destroyed after them.
