@@ -6,6 +6,7 @@
 
 #include <distrpc/store/detail/tcp_store_protocol.hpp>
 #include <distrpc/transport/shm/detail/protocol.hpp>
+#include <distrpc/transport/shm/detail/record.hpp>
 #include <distrpc/transport/shm/ring.hpp>
 #include <distrpc/wire/handshake.hpp>
 
@@ -91,13 +92,19 @@ void handshake_seeds() {
   plain.worker_name = "trainer1";
   plain.worker_id = 1;
   write_seed("fuzz_handshake", "hello", transport::shm::detail::hello_packet(plain));
+  // Fixed nonces (not make_nonce()), so that regenerated seeds are the same files.
   wire::Hello dialler = plain;
-  dialler.nonce = wire::auth::make_nonce();
+  dialler.nonce.emplace();
+  dialler.nonce->fill(0x11);
   write_seed("fuzz_handshake", "hello_challenge", transport::shm::detail::hello_packet(dialler));
-  wire::Hello me;
-  me.worker_name = "ps";
-  me.worker_id = 0;
-  const wire::Hello acceptor = wire::make_acceptor_hello(me, dialler, std::string("secret"));
+  wire::Hello acceptor;  // what make_acceptor_hello answers, with a fixed nonce
+  acceptor.worker_name = "ps";
+  acceptor.worker_id = 0;
+  acceptor.nonce.emplace();
+  acceptor.nonce->fill(0x22);
+  acceptor.proof = wire::auth::compute_proof(
+      "secret", wire::auth::Prover::kAcceptor, *dialler.nonce, *acceptor.nonce,
+      {dialler.worker_name, dialler.worker_id}, {acceptor.worker_name, acceptor.worker_id});
   write_seed("fuzz_handshake", "hello_answer", transport::shm::detail::hello_packet(acceptor));
   const auto proof = wire::answer_acceptor(dialler, acceptor, std::string("secret"));
   write_seed("fuzz_handshake", "auth_answer", transport::shm::detail::auth_answer_packet(*proof));
@@ -210,7 +217,8 @@ void store_seeds() {
   seed("prefixed", 0, prefixed);
   Buffer auth;  // distrpc's challenge, then a (wrong) proof
   auth.push_back(kAuthByte), put_le<std::uint32_t>(auth, kAuthMagic);
-  const auto nonce = wire::auth::make_nonce();
+  wire::auth::Nonce nonce{};
+  nonce.fill(0x33);
   auth.insert(auth.end(), nonce.begin(), nonce.end());
   auth.insert(auth.end(), wire::auth::kProofBytes, 0);
   seed("auth", 1, auth);
@@ -238,6 +246,47 @@ void ring_seeds() {
   write_seed("fuzz_shm_ring", "steps", s);
 }
 
+// Ring records as the shm writer lays them out: the record head (record header, frame header,
+// placement table), the payload, then the inline buffers. After the target's 24-byte prefix: the
+// segment's magic, capacity and memfd size.
+void record_seeds() {
+  using namespace transport::shm::detail;
+  const auto prefix = [](std::uint64_t magic, std::uint64_t capacity) {
+    std::string s(24, '\0');
+    wire::detail::put_le<std::uint64_t>(s.data(), magic);
+    wire::detail::put_le<std::uint64_t>(s.data() + 8, capacity);
+    wire::detail::put_le<std::uint64_t>(s.data() + 16, capacity - 1);  // memfd: 1 + this
+    return s;
+  };
+  const auto record = [](const wire::Message& m, std::uint32_t segment, std::uint32_t flags,
+                         std::uint32_t forget, const std::vector<std::uint64_t>& place) {
+    std::string s;
+    append_record_head(s, m, segment, flags, forget, place);
+    s += m.payload;
+    for (std::size_t i = 0; i < m.buffers.size(); ++i) {
+      if (place[i] != kInline) continue;
+      const at::Tensor& b = m.buffers[i];
+      s.append(static_cast<const char*>(b.data_ptr()), static_cast<std::size_t>(b.numel()));
+    }
+    return s;
+  };
+  wire::Message m;
+  m.id = 3;
+  wire::encode(m, at::arange(8, at::kFloat), at::ones({1024}, at::kFloat), std::string("x"));
+  const std::vector<std::uint64_t> inline_all(m.buffers.size(), kInline);
+  std::vector<std::uint64_t> placed(m.buffers.size(), kInline);
+  placed.back() = 64;  // the large tensor in segment 1, 64 bytes in
+  wire::Message control;
+  control.type = wire::control_message_type(1);
+  control.payload = "ping";
+  write_seed(
+      "fuzz_shm_record", "inline",
+      prefix(kSegmentMagic, 65536) + record(m, 0, 0, 0, inline_all) + record(control, 0, 0, 0, {}));
+  write_seed("fuzz_shm_record", "segment",
+             prefix(kSegmentMagic, 65536) + record(m, 1, 0, 0, placed) +
+                 record(m, 2, kRecordOneShot, 1, placed));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,6 +302,7 @@ int main(int argc, char** argv) {
   message_seeds();
   store_seeds();
   ring_seeds();
+  record_seeds();
   std::printf("%zu bytes of seeds written under %s\n", total_bytes, out_dir.c_str());
   return 0;
 }

@@ -26,7 +26,7 @@ seconds="${DISTRPC_FUZZ_SECONDS:-20}"
 mkdir -p "$build"
 
 # Targets built with g++ (libtorch) and with clang++ (no libtorch).
-gxx_targets=(fuzz_frame fuzz_handshake fuzz_tensor fuzz_ivalue fuzz_message)
+gxx_targets=(fuzz_frame fuzz_handshake fuzz_tensor fuzz_ivalue fuzz_message fuzz_shm_record)
 clang_targets=(fuzz_store fuzz_shm_ring)
 all_targets=("${gxx_targets[@]}" "${clang_targets[@]}")
 make_seeds=0
