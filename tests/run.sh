@@ -122,9 +122,9 @@ fi
 
 # Coverage-guided fuzzing (libFuzzer, under ASan and UBSan) of the decoders that read what a peer
 # sends: frames, the handshake, tensors, IValues, message payloads, TCPStore requests and the
-# shared-memory ring's header, records and segments (tests/fuzz/run.sh: its own build in build-fuzz, regression inputs
-# replayed first, then DISTRPC_FUZZ_SECONDS per target, 20 by default: about 3 minutes in all).
-# One pass or fail per target. DISTRPC_FUZZ=0 skips it.
+# shared-memory ring's header, records and segments (tests/fuzz/run.sh: its own build in
+# build-fuzz, regression inputs replayed first, then DISTRPC_FUZZ_SECONDS per target, 15 by
+# default: about 3 minutes in all). One pass or fail per target. DISTRPC_FUZZ=0 skips it.
 if [ "${DISTRPC_FUZZ:-1}" != "0" ]; then
   echo "== fuzzing (libFuzzer: tests/fuzz/run.sh)"
   bash tests/fuzz/run.sh >"$logdir/fuzz.log" 2>&1

@@ -4,7 +4,7 @@
 #
 #   tests/fuzz/run.sh [TARGET...]          all targets when none is named
 #   tests/fuzz/run.sh --make-seeds         rewrites tests/fuzz/corpus/ with make_seeds.cpp
-#   DISTRPC_FUZZ_SECONDS=N                 fuzzing time per target (default 20)
+#   DISTRPC_FUZZ_SECONDS=N                 fuzzing time per target (default 15)
 #   DISTRPC_FUZZ_BUILD=DIR                 build directory (default build-fuzz)
 #   DISTRPC_FUZZ_BUILD_ONLY=1              build, do not run
 #
@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
 build="${DISTRPC_FUZZ_BUILD:-build-fuzz}"
-seconds="${DISTRPC_FUZZ_SECONDS:-20}"
+seconds="${DISTRPC_FUZZ_SECONDS:-15}"
 mkdir -p "$build"
 
 # Targets built with g++ (libtorch) and with clang++ (no libtorch).
