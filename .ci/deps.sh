@@ -4,9 +4,11 @@
 # which the interoperability tests run against; libgloo-dev is gloo's headers, for libtorch's
 # c10d::ProcessGroupGloo (meson's gloo_found, tests/test_dist_gloo.cpp in test_dist); libssl-dev
 # is OpenSSL's libssl and libcrypto (TLS, HMAC-SHA256 and nonces of the authenticated handshakes);
-# openssl is its command line, with which the TLS tests make their certificates.
+# openssl is its command line, with which the TLS tests make their certificates. clang and
+# libclang-rt-14-dev are the fuzz stage's (tests/fuzz/run.sh): clang++ -fsanitize=fuzzer and the
+# libFuzzer runtime (libclang_rt.fuzzer-x86_64.a, which the g++-built targets link too).
 distrpc_packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libasio-dev libcereal-dev
-                  doctest-dev python3-torch libgloo-dev libssl-dev openssl)
+                  doctest-dev python3-torch libgloo-dev libssl-dev openssl clang libclang-rt-14-dev)
 
 distrpc_install_deps() {
   local missing=()

@@ -120,6 +120,28 @@ if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
   fi
 fi
 
+# Coverage-guided fuzzing (libFuzzer, under ASan and UBSan) of the decoders that read what a peer
+# sends: frames, the handshake, tensors, IValues, message payloads, TCPStore requests and the
+# shared-memory ring's header, records and segments (tests/fuzz/run.sh: its own build in
+# build-fuzz, regression inputs replayed first, then DISTRPC_FUZZ_SECONDS per target, 15 by
+# default: about 3 minutes in all). One pass or fail per target. DISTRPC_FUZZ=0 skips it.
+if [ "${DISTRPC_FUZZ:-1}" != "0" ]; then
+  echo "== fuzzing (libFuzzer: tests/fuzz/run.sh)"
+  bash tests/fuzz/run.sh >"$logdir/fuzz.log" 2>&1
+  fz=$(tail -1 "$logdir/fuzz.log")
+  fp_=$(echo "$fz" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\1/p')
+  ff_=$(echo "$fz" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\2/p')
+  if [ -z "$fp_" ]; then fp_=0; ff_=1; fi
+  passed=$((passed + fp_)); failed=$((failed + ff_))
+  grep -E '^fuzz_[a-z_]+: ' "$logdir/fuzz.log" | sed 's/^/   /'
+  echo "   $fz"
+  if [ "$ff_" -ne 0 ]; then
+    echo "---- fuzzing output (last 150 lines) ----"
+    tail -150 "$logdir/fuzz.log"
+    echo "---- end of fuzzing output ----"
+  fi
+fi
+
 echo "== compile-time checks (a wrong remote call must not compile, with a readable message)"
 if bash tests/compile_fail/check.sh >"$logdir/compile_fail.log" 2>&1; then :; fi
 cf=$(tail -1 "$logdir/compile_fail.log")

@@ -779,6 +779,12 @@ TEST_CASE("wire: malformed tensor records are decode errors with a reason") {
   at::Tensor t;
   CHECK_ERROR(wire::DecodeError, wire::decode(long_rg, t),
               "requires_grad set on a tensor of dtype Long");
+  // Found by fuzzing (tests/fuzz/regressions/fuzz_tensor): a bool tensor with the negative bit
+  // decoded, and every use of it threw inside libtorch.
+  wire::Message bool_neg = encode_tensor(at::ones({4}, at::kBool));
+  bool_neg.payload[kFlags] = 4;
+  CHECK_ERROR(wire::DecodeError, wire::decode(bool_neg, t),
+              "negative bit set on a tensor of dtype Bool");
 
   wire::Message no_buffer = good;
   no_buffer.buffers.clear();
