@@ -28,6 +28,7 @@
 #include "distrpc/store/tcp_store.hpp"
 #include "multiprocess.hpp"
 #include "support/error_text.hpp"
+#include "support/tls_certs.hpp"
 
 namespace dist = distrpc::dist;
 using distrpc::testing::run_ranks;
@@ -460,6 +461,34 @@ TEST_CASE("dist front: the rendezvous store takes InitOptions::auth_secret") {
           st::TCPStore bad(client);
         }).find("failed: it answered our challenge with a wrong proof") != std::string::npos);
   client.auth_secret = "group secret";
+  st::TCPStore member(client);
+  member.set("probe", "1");
+  CHECK(member.get_string("probe") == "1");
+}
+
+TEST_CASE("dist front: the rendezvous store takes InitOptions::tls") {
+  register_test_backends();
+  DestroyAtEnd guard;
+  namespace st = distrpc::store;
+  const auto& certs = distrpc::testing::tls_files();
+  st::TCPStoreOptions probe_opts;
+  probe_opts.is_master = true;
+  auto probe = std::make_unique<st::TCPStore>(probe_opts);
+  const int port = probe->port();
+  probe.reset();  // frees the port for the group's store
+  dist::init_process_group({.backend = "dummy",
+                            .init_method = "tcp://127.0.0.1:" + std::to_string(port),
+                            .rank = 0,
+                            .world_size = 1,
+                            .timeout = milliseconds(5000),
+                            .tls = certs.server});
+  st::TCPStoreOptions client;
+  client.port = port;
+  client.timeout = milliseconds(5000);
+  CHECK(error_text<distrpc::DistNetworkError>([&] {
+          st::TCPStore plain(client);
+        }).find("a server with TLS a client without TLS") != std::string::npos);
+  client.tls = certs.client;
   st::TCPStore member(client);
   member.set("probe", "1");
   CHECK(member.get_string("probe") == "1");

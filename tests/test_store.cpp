@@ -1908,6 +1908,20 @@ TEST_CASE("TCPStore TLS: TLS on one side only fails cleanly, well within the tim
   }
 }
 
+TEST_CASE("TCPStore TLS: the rendezvous store takes the TLS files it is given") {
+  NoTlsEnv env;
+  NoSecretEnv no_secret;
+  const auto& certs = distrpc::testing::tls_files();
+  auto r = ds::rendezvous("tcp://127.0.0.1:0?rank=0&world_size=1", -1, -1, 5s, "", certs.server);
+  const int port = static_cast<ds::TCPStore&>(*r.store).port();
+  r.store->set("addr/worker1", "10.0.0.7:29500");
+  ds::TCPStore member(tls_options(port, false, certs.client));
+  CHECK(member.get_string("addr/worker1") == "10.0.0.7:29500");
+  CHECK(contains(thrown_text<distrpc::DistNetworkError>(
+                     [&] { ds::TCPStore plain("127.0.0.1", port, -1, false, 5s); }),
+                 "a server with TLS a client without TLS"));
+}
+
 TEST_CASE("TCPStore TLS: a missing file or a partial setting is named; the environment works") {
   NoTlsEnv env;
   const auto& certs = distrpc::testing::tls_files();

@@ -43,6 +43,7 @@
 #include <distrpc/store/prefix_store.hpp>
 #include <distrpc/store/rendezvous.hpp>
 #include <distrpc/store/store.hpp>
+#include <distrpc/tls_options.hpp>
 
 namespace distrpc::dist {
 
@@ -61,6 +62,9 @@ struct InitOptions {
   // file, else DISTRPC_AUTH_SECRET, else none. The distrpc backend's own connections take theirs
   // from DistrpcBackendOptions::auth_token or the same variables.
   std::string auth_secret{};
+  // The rendezvous TCPStore's TLS files (docs/security.md, "TLS"); empty: DISTRPC_TLS_CERT / _KEY /
+  // _CA, else plain TCP. The distrpc backend's connections take DistrpcBackendOptions::tls.
+  TlsOptions tls{};
 };
 
 struct NewGroupOptions {
@@ -112,7 +116,7 @@ inline void init_process_group(const InitOptions& opts) {
   if (!store) {
     const std::string url = opts.init_method.empty() ? "env://" : opts.init_method;
     store::RendezvousResult r =
-        store::rendezvous(url, rank, world_size, opts.timeout, opts.auth_secret);
+        store::rendezvous(url, rank, world_size, opts.timeout, opts.auth_secret, opts.tls);
     store = std::move(r.store);
     rank = r.rank;
     world_size = r.world_size;

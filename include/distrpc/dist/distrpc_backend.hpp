@@ -60,6 +60,7 @@
 #include <distrpc/future.hpp>
 #include <distrpc/log.hpp>
 #include <distrpc/store/store.hpp>
+#include <distrpc/tls_options.hpp>
 #include <distrpc/transport/transport.hpp>
 #include <distrpc/wire/archive.hpp>
 #include <distrpc/wire/message.hpp>
@@ -73,6 +74,7 @@ struct DistrpcBackendOptions {
   std::string listen_host;
   std::string advertise_host;  // empty: the address listened on
   std::string auth_token;      // optional shared secret (docs/security.md), never sent
+  TlsOptions tls;              // mutual TLS for Tcp (empty: DISTRPC_TLS_* or plain)
   // Tensors of at most this many bytes are reduced by a direct exchange (every member sends its
   // tensor to every other: one message latency); larger ones by a ring (bandwidth-optimal).
   std::int64_t small_bytes = 64 * 1024;
@@ -213,6 +215,7 @@ class DistrpcBackend final : public Backend {
     to.listen_host = detail::env_or(options_.listen_host, "DISTRPC_LISTEN_ADDR", "127.0.0.1");
     to.advertise_host = detail::env_or(options_.advertise_host, "DISTRPC_ADVERTISE_ADDR", "");
     to.auth_token = options_.auth_token;
+    to.tls = options_.tls;
     to.connect_timeout = timeout;
     // Peers are added only after they published their address, which they do once listening: a
     // refused connection then means the peer is gone, so a send fails at once (as in the agent).

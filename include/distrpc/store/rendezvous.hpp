@@ -37,6 +37,7 @@
 #include "distrpc/store/prefix_store.hpp"
 #include "distrpc/store/store.hpp"
 #include "distrpc/store/tcp_store.hpp"
+#include "distrpc/tls_options.hpp"
 
 namespace distrpc::store {
 
@@ -186,7 +187,7 @@ inline std::string store_listen_address(const std::string& host) {
 
 inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::string& host, int port,
                                         int rank, int world, std::chrono::milliseconds timeout,
-                                        const std::string& auth_secret) {
+                                        const std::string& auth_secret, const TlsOptions& tls) {
   if (port == 0 && rank != 0) {
     throw DistError("rendezvous '" + url +
                     "': port 0 (\"pick a free port\") only works for rank 0, which hosts the "
@@ -203,6 +204,7 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
   o.timeout = timeout;
   o.listen_address = store_listen_address(host);
   o.auth_secret = auth_secret;
+  o.tls = tls;
   return std::make_shared<TCPStore>(std::move(o));
 }
 
@@ -212,11 +214,11 @@ inline std::shared_ptr<Store> tcp_store(const std::string& url, const std::strin
 // job see the same keys. Otherwise rank 0 hosts the server.
 inline std::shared_ptr<Store> env_store(const std::string& url, const std::string& host, int port,
                                         int rank, int world, std::chrono::milliseconds timeout,
-                                        const std::string& auth_secret) {
+                                        const std::string& auth_secret, const TlsOptions& tls) {
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const std::string use_agent = agent ? agent : "";
   if (use_agent != "True" && use_agent != "1") {
-    return tcp_store(url, host, port, rank, world, timeout, auth_secret);
+    return tcp_store(url, host, port, rank, world, timeout, auth_secret, tls);
   }
   const std::string attempt = env_or_throw("TORCHELASTIC_RESTART_COUNT");
   int restarts = 0;
@@ -235,6 +237,7 @@ inline std::shared_ptr<Store> env_store(const std::string& url, const std::strin
   o.is_master = false;
   o.timeout = timeout;
   o.auth_secret = auth_secret;
+  o.tls = tls;
   auto client = std::make_shared<TCPStore>(std::move(o));
   return std::make_shared<PrefixStore>("/worker/attempt_" + std::to_string(restarts),
                                        std::move(client));
@@ -246,10 +249,13 @@ inline std::shared_ptr<Store> env_store(const std::string& url, const std::strin
 // env://, from RANK/WORLD_SIZE). Errors are DistError texts that quote the URL and say what form
 // was expected; connection failures are DistNetworkError naming host:port. `auth_secret` is the
 // TCPStore's shared secret (TCPStoreOptions::auth_secret; empty: DISTRPC_AUTH_SECRET_FILE's file,
-// else DISTRPC_AUTH_SECRET, else none); file:// stores have none (the file system guards them).
+// else DISTRPC_AUTH_SECRET, else none) and `tls` its TLS files (TCPStoreOptions::tls; empty:
+// DISTRPC_TLS_CERT / _KEY / _CA, else plain TCP); file:// stores have neither (the file system
+// guards them).
 inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int world_size = -1,
                                    std::chrono::milliseconds timeout = Store::kDefaultTimeout,
-                                   const std::string& auth_secret = "") {
+                                   const std::string& auth_secret = "",
+                                   const TlsOptions& tls = {}) {
   const auto sep = url.find("://");
   if (sep == std::string::npos || sep == 0) detail::bad_url(url, "no scheme");
   const std::string scheme = url.substr(0, sep);
@@ -275,7 +281,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
       throw DistError("rendezvous '" + url + "': local rank " + std::to_string(local_rank) +
                       " is not below the local world size " + std::to_string(local_world));
     }
-    auto store = detail::env_store(url, host, port, rank, world_size, timeout, auth_secret);
+    auto store = detail::env_store(url, host, port, rank, world_size, timeout, auth_secret, tls);
     const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
     return {std::move(store), rank, world_size, local_rank, local_world, host, bound};
   }
@@ -310,7 +316,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
     detail::check_rank(url, rank, world_size);
-    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout, auth_secret);
+    auto store = detail::tcp_store(url, host, port, rank, world_size, timeout, auth_secret, tls);
     const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
     return {std::move(store), rank, world_size, -1, -1, host, bound};
   }
