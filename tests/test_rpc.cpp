@@ -40,6 +40,7 @@
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"
 #include "support/rpc_under_test.hpp"
+#include "support/tls_certs.hpp"
 
 using namespace distrpc::testing::rpc_names;
 
@@ -571,6 +572,27 @@ DISTRPC_MP_TEST("rpc: world_size 1, invalid names, init then immediate non-grace
     st::TCPStore member(client);
     member.set("probe", "1");
     CHECK(member.get_string("probe") == "1");
+    distrpc::shutdown();
+
+    // TLS likewise: RpcBackendOptions::tls reaches the rendezvous store.
+    probe = std::make_unique<st::TCPStore>(probe_opts);
+    const int tls_port = probe->port();
+    probe.reset();
+    const auto& certs = distrpc::testing::tls_files();
+    RpcBackendOptions encrypted = o;
+    encrypted.init_method = "tcp://127.0.0.1:" + std::to_string(tls_port);
+    encrypted.tls = certs.server;
+    distrpc::init_rpc<Tcp>("worker0", 0, 1, encrypted);
+    st::TCPStoreOptions plain;
+    plain.port = tls_port;
+    plain.timeout = std::chrono::seconds(5);
+    CHECK_THROWS_WITH_AS(st::TCPStore{plain},
+                         doctest::Contains("a server with TLS a client without TLS"),
+                         distrpc::DistNetworkError);
+    plain.tls = certs.client;
+    st::TCPStore tls_member(plain);
+    tls_member.set("probe", "1");
+    CHECK(tls_member.get_string("probe") == "1");
     distrpc::shutdown();
   }
 
@@ -1221,9 +1243,9 @@ DISTRPC_MP_TEST("rpc: per-call and default timeouts; the default is read at call
   const auto big = at::ones({600, 600});
   CHECK_THROWS_WITH_AS(
       distrpc::rpc_sync(dst, "aten::mm", std::vector<c10::IValue>{big, big}),
-      doctest::Contains("RPC ran for more than set timeout (1 ms) and will now be marked with an "
-                        "error (call to 'aten::mm' on WorkerInfo(id=" +
-                        std::to_string(dst)),
+      has("RPC ran for more than set timeout (1 ms) and will now be marked with an error (call "
+          "to 'aten::mm' on WorkerInfo(id=" +
+          std::to_string(dst)),
       distrpc::RpcTimeoutError);
   // Per-call overrides beat the 1 ms default (sync and async).
   auto over5s = distrpc::rpc_async<&sleep_ms>(dst, distrpc::with_timeout(5s), 1000);

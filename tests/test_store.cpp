@@ -1120,7 +1120,7 @@ TEST_CASE("rendezvous: malformed URLs quote the URL and say which form is expect
 }
 
 TEST_CASE("rendezvous: rank and world size from arguments or the URL, checked") {
-  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", -1, 2), "rank missing"));
+  CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", -1, 2), "rank parameter missing"));
   CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", 0, -1), "world_size missing"));
   CHECK(contains(rendezvous_error("tcp://127.0.0.1:1", 2, 2), "rank 2 is not below world_size 2"));
   CHECK(contains(rendezvous_error("tcp://127.0.0.1:1?rank=1&world_size=2", 0, 2),

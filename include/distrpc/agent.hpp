@@ -49,6 +49,7 @@ class RpcAgent;
 
 namespace detail {
 class GroupProtocol;
+class ElasticProtocol;
 // The agent the calling thread works for: set on its pools' threads, while it runs a request or
 // a control message (also on a transport reading thread), and by RpcGroup::use(). The free
 // functions (rpc_sync, remote, RRef(value), ...) use it before the process's current agent, so a
@@ -108,7 +109,10 @@ class RpcAgent : public AgentServices,
 
   // ---- identity and group ----------------------------------------------------------------
   const WorkerInfo& self() const { return members_.self(); }
+  // A dynamic group's (init_rpc without a world size): its current size as this worker sees it.
   int world_size() const { return members_.world_size(); }
+  // A member of a dynamic group (docs/rpc.md, "Elastic membership").
+  bool dynamic() const { return members_.dynamic(); }
   const Registry& registry() const { return *registry_; }
   const RpcBackendOptions& options() const { return options_; }
   virtual std::string transport_name() const = 0;
@@ -255,6 +259,11 @@ class RpcAgent : public AgentServices,
         transport_add_peer(w.id, w.name, addrs[static_cast<std::size_t>(w.id)]);
       }
     }
+    open_for_requests();
+  }
+
+  // The worker table is read: the requests held until now run, later ones run as they come.
+  void open_for_requests() {
     std::vector<std::pair<int, wire::Message>> early;
     {
       std::lock_guard<std::mutex> lk(early_mu_);
@@ -398,7 +407,8 @@ class RpcAgent : public AgentServices,
   virtual std::size_t transport_shutdown(Clock::time_point deadline) = 0;
 
  private:
-  friend class detail::GroupProtocol;  // the group protocol's state and steps
+  friend class detail::GroupProtocol;    // the group protocol's state and steps
+  friend class detail::ElasticProtocol;  // a dynamic group's joins and leaves
 
   // ---- the group protocol's state (agent/group_protocol.hpp) ---------------------------------
   // The all-gather state of the group protocol (barrier, all_gather, the shutdown join).

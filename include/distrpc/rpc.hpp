@@ -21,6 +21,7 @@
 #include "distrpc/agent.hpp"
 #include "distrpc/agent/builtin.hpp"
 #include "distrpc/agent/calls.hpp"
+#include "distrpc/agent/elastic.hpp"
 #include "distrpc/agent/group_protocol.hpp"
 #include "distrpc/agent/runtime.hpp"
 #include "distrpc/future.hpp"
@@ -47,6 +48,24 @@ void init_rpc(const std::string& name, int rank, int world_size,
                    "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
   }
   rt.agent = detail::start_agent<T>(name, rank, world_size, options, nullptr);
+  rt.was_shut_down = false;
+}
+
+// Without a world size: joins (or starts) the dynamic group of `options.init_method` as worker
+// `name` of rank `rank` (-1: the URL's ?rank=, or RANK for env://). Members join and leave at any
+// time; every member sees the current set (get_worker_infos()) and can call every other. A
+// worker that died can be replaced by a new process under its name. shutdown() leaves the group
+// without waiting for the others. See docs/rpc.md, "Elastic membership".
+template <class T>
+void init_rpc(const std::string& name, int rank, const RpcBackendOptions& options = {}) {
+  validate_worker_name(name);
+  auto& rt = detail::runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  if (rt.agent) {
+    throw RpcError("RPC is already initialized on this process (as " + rt.agent->self().str() +
+                   "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
+  }
+  rt.agent = detail::start_dynamic_agent<T>(name, rank, options, nullptr);
   rt.was_shut_down = false;
 }
 
@@ -227,6 +246,14 @@ class RpcGroup {
                        std::shared_ptr<const Registry> registry = nullptr) {
     RpcGroup g;
     g.s_->agent = detail::start_agent<T>(name, rank, world_size, options, std::move(registry));
+    return g;
+  }
+  // Joins a dynamic group (no world size), as init_rpc<T>(name, rank, options) does.
+  template <class T>
+  static RpcGroup join(const std::string& name, int rank, const RpcBackendOptions& options,
+                       std::shared_ptr<const Registry> registry = nullptr) {
+    RpcGroup g;
+    g.s_->agent = detail::start_dynamic_agent<T>(name, rank, options, std::move(registry));
     return g;
   }
 

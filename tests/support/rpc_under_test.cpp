@@ -60,4 +60,27 @@ void init_rpc_under_test(const std::string& name, int rank, int world,
   throw std::logic_error("transport '" + t + "' listed as compiled but not dispatched");
 }
 
+void init_rpc_dynamic_under_test(const std::string& name, int rank,
+                                 const RpcBackendOptions& given) {
+  RpcBackendOptions o = given;
+  if (o.builtin_operators.empty()) o.builtin_operators = {"*"};
+  const std::string t = transport_under_test();
+  if (t == "tcp") {
+    distrpc::init_rpc<distrpc::transport::Tcp>(name, rank, o);
+    return;
+  }
+#ifdef DISTRPC_TEST_HAVE_SHM
+  if (t == "shm") {
+    distrpc::init_rpc<distrpc::transport::Shm>(name, rank, o);
+    return;
+  }
+  if (t == "auto") {
+    distrpc::init_rpc<distrpc::transport::Auto<distrpc::transport::Shm, distrpc::transport::Tcp>>(
+        name, rank, o);
+    return;
+  }
+#endif
+  throw std::logic_error("transport '" + t + "' listed as compiled but not dispatched");
+}
+
 }  // namespace distrpc::testing

@@ -22,4 +22,7 @@ std::vector<std::string> compiled_transports();
 // operator allowed when opts lists none).
 void init_rpc_under_test(const std::string& name, int rank, int world, const RpcBackendOptions& o);
 
+// distrpc::init_rpc<T>(name, rank, opts): joins a dynamic group (no world size).
+void init_rpc_dynamic_under_test(const std::string& name, int rank, const RpcBackendOptions& o);
+
 }  // namespace distrpc::testing

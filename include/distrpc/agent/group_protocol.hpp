@@ -28,6 +28,7 @@
 
 #include "distrpc/agent.hpp"
 #include "distrpc/agent/calls.hpp"
+#include "distrpc/agent/elastic.hpp"
 #include "distrpc/agent/gather_table.hpp"
 #include "distrpc/agent/runtime.hpp"
 #include "distrpc/error.hpp"
@@ -148,6 +149,8 @@ class GroupProtocol {
   // shutdown() of this agent (docs/rpc.md): graceful, the group's steps, then the local stop.
   // Returns the error to raise once the caller has forgotten the agent, or null.
   std::exception_ptr shutdown(bool graceful, milliseconds timeout) {
+    // A dynamic group's member leaves it: no group-wide steps (agent/elastic.hpp).
+    if (agent_->dynamic()) return ElasticProtocol(agent_).leave(graceful, timeout);
     std::exception_ptr error;
     std::exception_ptr leak_error;  // reported after a complete (synchronized) local stop
     std::vector<std::string> lost;  // agreed by the group: reported after the local stop

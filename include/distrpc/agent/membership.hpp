@@ -2,13 +2,20 @@
 // through the store (the worker table at init; the exit barrier and the store host's wait at
 // shutdown). The all-gathers of the group protocol build on it (agent/group_protocol.hpp); the
 // agent adds the transport (peers are added once the table is read).
+//
+// A group is static (a world size: every rank 0..N-1 meets once, meet()) or dynamic (no world
+// size: members join and leave over time, join_dynamic(), admit(), remove(); the messages are
+// agent/elastic.hpp's). Its table is keyed by worker id (the rank), which in a dynamic group need
+// not be contiguous.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -26,49 +33,90 @@ class Membership {
   using Clock = std::chrono::steady_clock;
   using milliseconds = std::chrono::milliseconds;
 
-  Membership(WorkerInfo self, int world_size) : self_(std::move(self)), world_size_(world_size) {}
+  // One member's entry in a dynamic group's store: its join number (the order of joins), who it
+  // is and where its transport listens.
+  struct DynamicEntry {
+    std::int64_t seq = 0;
+    WorkerInfo info;
+    std::string address;
+  };
+  // What join_dynamic() read: the other members (in join order) and the entries this worker
+  // takes over (a dead member's name or rank, see admit()).
+  struct DynamicView {
+    std::vector<DynamicEntry> members;
+    std::vector<DynamicEntry> replaced;
+  };
+  static constexpr const char* kMixedText =
+      "RPC group mixes statically and dynamically initialized members which is not supported.";
+
+  // world_size < 0: a dynamic group.
+  Membership(WorkerInfo self, int world_size)
+      : self_(std::move(self)), world_size_(world_size), dynamic_(world_size < 0) {}
 
   const WorkerInfo& self() const { return self_; }
-  int world_size() const { return world_size_; }
+  bool dynamic() const { return dynamic_; }
+  // A dynamic group's size is its current membership as this worker sees it.
+  int world_size() const {
+    if (!dynamic_) return world_size_;
+    std::lock_guard<std::mutex> lk(mu_);
+    return static_cast<int>(workers_.size());
+  }
 
   // ---- the worker table ------------------------------------------------------------------
   WorkerInfo worker(const std::string& name) const {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = by_name_.find(name);
     if (it == by_name_.end()) {
+      std::string why;
+      if (departed_names_.count(name)) why = ": '" + name + "' left the group";
       throw RpcError("could not find destination named '" + name + "' among the " +
                      std::to_string(workers_.size()) + " workers of this group (on " + self_.str() +
-                     ")");
+                     ")" + why);
     }
-    return workers_[static_cast<std::size_t>(it->second)];
+    return workers_.at(it->second);
   }
   WorkerInfo worker(int id) const {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id < 0 || id >= static_cast<int>(workers_.size())) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) {
+      if (!dynamic_) {
+        throw RpcError("could not find destination with id " + std::to_string(id) +
+                       ": worker ids are 0.." + std::to_string(world_size_ - 1));
+      }
+      auto gone = departed_.find(id);
       throw RpcError("could not find destination with id " + std::to_string(id) +
-                     ": worker ids are 0.." +
-                     std::to_string(static_cast<int>(workers_.size()) - 1));
+                     (gone != departed_.end() ? ": worker '" + gone->second + "' left the group"
+                                              : ": no member of this dynamic group has it"));
     }
-    return workers_[static_cast<std::size_t>(id)];
+    return it->second;
   }
   WorkerInfo worker(const WorkerInfo& w) const {
-    WorkerInfo known = worker(w.id);
+    WorkerInfo known;
+    try {
+      known = worker(w.id);
+    } catch (const RpcError&) {
+      if (!dynamic_) throw;
+      throw RpcError("could not find destination " + w.str() + ": '" + w.name +
+                     "' is no longer a member of this group (it left, or was replaced)");
+    }
     if (known.name != w.name) {
       throw RpcError("could not find destination " + w.str() + ": worker " + std::to_string(w.id) +
                      " is " + known.str());
     }
     return known;
   }
+  // In id order.
   std::vector<WorkerInfo> workers() const {
     std::lock_guard<std::mutex> lk(mu_);
-    return workers_;
+    std::vector<WorkerInfo> out;
+    for (const auto& [id, w] : workers_) out.push_back(w);
+    return out;
   }
   // Worker `id` as error texts name it, also before the table is read or for a bad id.
   WorkerInfo describe(int id) const {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id >= 0 && id < static_cast<int>(workers_.size())) {
-      return workers_[static_cast<std::size_t>(id)];
-    }
+    if (auto it = workers_.find(id); it != workers_.end()) return it->second;
+    if (auto it = departed_.find(id); it != departed_.end()) return WorkerInfo{id, it->second};
     return WorkerInfo{id, "worker id " + std::to_string(id)};
   }
 
@@ -77,6 +125,8 @@ class Membership {
   // kept. Group operations stop waiting for a lost member.
   void mark_lost(int id, const std::string& reason) {
     std::lock_guard<std::mutex> lk(mu_);
+    // A dynamic group's departed members are no members: their connections close when they go.
+    if (dynamic_ && !workers_.count(id)) return;
     lost_.emplace(id, reason);
   }
   bool is_lost(int id) const {
@@ -89,16 +139,16 @@ class Membership {
   }
   int live_members() const {
     std::lock_guard<std::mutex> lk(mu_);
-    return world_size_ - static_cast<int>(lost_.size());
+    const int size = dynamic_ ? static_cast<int>(workers_.size()) : world_size_;
+    return size - static_cast<int>(lost_.size());
   }
   // The names of the members known lost, sorted.
   std::vector<std::string> lost_names() const {
     std::lock_guard<std::mutex> lk(mu_);
     std::vector<std::string> out;
     for (const auto& [id, why] : lost_) {
-      out.push_back(id < static_cast<int>(workers_.size())
-                        ? workers_[static_cast<std::size_t>(id)].name
-                        : "worker id " + std::to_string(id));
+      auto it = workers_.find(id);
+      out.push_back(it != workers_.end() ? it->second.name : "worker id " + std::to_string(id));
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -114,6 +164,7 @@ class Membership {
   // the table and keeps it. Returns every rank's address.
   std::vector<std::string> meet(const std::string& address, milliseconds timeout) {
     auto& st = *store_;
+    claim_mode("static");
     st.set(key("worker/" + std::to_string(self_.id)), self_.name + "\n" + address);
     std::vector<std::string> keys;
     for (int r = 0; r < world_size_; ++r) keys.push_back(key("worker/" + std::to_string(r)));
@@ -149,9 +200,124 @@ class Membership {
       }
     }
     std::lock_guard<std::mutex> lk(mu_);
-    workers_ = all;
-    for (const auto& w : all) by_name_[w.name] = w.id;
+    for (const auto& w : all) {
+      workers_[w.id] = w;
+      by_name_[w.name] = w.id;
+    }
     return addrs;
+  }
+
+  // ---- a dynamic group ---------------------------------------------------------------------
+  // Joining, through the store. Every joiner takes the next join number (an atomic add: joins
+  // are totally ordered without a lock) and publishes its entry under it; it then reads every
+  // earlier entry, skipping those marked left. A later entry with the same name or rank as an
+  // earlier one supersedes it (a replacement). The joiner tells each member it read (admit(),
+  // sent by agent/elastic.hpp) and each member adds it; a member that joins later reads this
+  // entry itself. So every pair of members learns of each other exactly once, in one direction
+  // each: the later one reads the earlier from the store, the earlier hears from the later. No one
+  // watches the store. Returns the other members and the entries this worker replaces; the table
+  // holds this worker and the members read.
+  DynamicView join_dynamic(const std::string& address, milliseconds timeout) {
+    auto& st = *store_;
+    claim_mode("dynamic");
+    const std::int64_t seq = st.add(key("dyn/seq"), 1);
+    own_seq_ = seq;
+    st.set(key("dyn/join/" + std::to_string(seq)),
+           std::to_string(self_.id) + "\n" + self_.name + "\n" + address);
+    std::vector<std::string> keys;
+    for (std::int64_t i = 1; i < seq; ++i) keys.push_back(key("dyn/join/" + std::to_string(i)));
+    // An earlier joiner took its number just before us: its entry follows at once.
+    if (!keys.empty()) st.wait(keys, timeout);
+    std::vector<DynamicEntry> view;
+    for (std::int64_t i = 1; i < seq; ++i) {
+      if (st.check({key("dyn/left/" + std::to_string(i))})) continue;
+      DynamicEntry e = parse_entry(i, st.get_string(keys[static_cast<std::size_t>(i - 1)]));
+      std::erase_if(view, [&](const DynamicEntry& o) {
+        return o.info.id == e.info.id || o.info.name == e.info.name;
+      });
+      view.push_back(std::move(e));
+    }
+    DynamicView out;
+    for (auto& e : view) {
+      const bool mine = e.info.id == self_.id || e.info.name == self_.name;
+      (mine ? out.replaced : out.members).push_back(std::move(e));
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    workers_[self_.id] = self_;
+    by_name_[self_.name] = self_.id;
+    seqs_[self_.id] = seq;
+    for (const auto& e : out.members) {
+      workers_[e.info.id] = e.info;
+      by_name_[e.info.name] = e.info.id;
+      seqs_[e.info.id] = e.seq;
+    }
+    return out;
+  }
+  std::int64_t own_seq() const { return own_seq_; }
+  // The join number of member `id` (0: unknown).
+  std::int64_t seq_of(int id) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = seqs_.find(id);
+    return it == seqs_.end() ? 0 : it->second;
+  }
+  // Whether the member that joined under `seq` marked itself left in the store.
+  bool left_in_store(std::int64_t seq) const {
+    try {
+      return store_ && store_->check({key("dyn/left/" + std::to_string(seq))});
+    } catch (const std::exception&) {
+      return false;  // the store went (its host left): nothing known
+    }
+  }
+  // Marks this worker's entry left: joiners from now on skip it.
+  void mark_left_in_store() {
+    if (store_ && own_seq_ > 0) store_->set(key("dyn/left/" + std::to_string(own_seq_)), "1");
+  }
+
+  // The members other than this worker that have `w`'s name or rank: those `w` would replace.
+  std::vector<WorkerInfo> conflicts(const WorkerInfo& w) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<WorkerInfo> out;
+    for (const auto& [id, m] : workers_) {
+      if (id != self_.id && (id == w.id || m.name == w.name)) out.push_back(m);
+    }
+    return out;
+  }
+
+  // Member `w` (join number `seq`) joins: it replaces any entry with its name or rank (the caller
+  // checked they are gone). False when this worker is leaving: the joiner then leaves it out.
+  bool admit(const WorkerInfo& w, std::int64_t seq) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (leaving_) return false;
+    erase_locked(w.id);
+    if (auto it = by_name_.find(w.name); it != by_name_.end()) erase_locked(it->second);
+    workers_[w.id] = w;
+    by_name_[w.name] = w.id;
+    seqs_[w.id] = seq;
+    departed_.erase(w.id);
+    departed_names_.erase(w.name);
+    return true;
+  }
+  // Member `w` left (or never completed its join): it is no member from now on. Only the entry of
+  // that very worker goes: a replacement that took its rank since stays.
+  void remove(const WorkerInfo& w) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = workers_.find(w.id);
+    if (it == workers_.end() || it->second.name != w.name || w.id == self_.id) return;
+    erase_locked(w.id);
+    departed_[w.id] = w.name;
+    departed_names_.insert(w.name);
+  }
+  // This worker leaves: from now on admit() refuses joiners (they leave it out). Returns the
+  // members to tell, those not known lost. Atomic with admit(): a joiner admitted before is in
+  // the list, one after learns that this worker is leaving.
+  std::vector<WorkerInfo> begin_leave() {
+    std::lock_guard<std::mutex> lk(mu_);
+    leaving_ = true;
+    std::vector<WorkerInfo> out;
+    for (const auto& [id, m] : workers_) {
+      if (id != self_.id && !lost_.count(id)) out.push_back(m);
+    }
+    return out;
   }
 
   // Every member not lost reaches this point before anyone goes on (at most `timeout`, else 5
@@ -202,12 +368,53 @@ class Membership {
  private:
   std::string key(const std::string& k) const { return "distrpc/rpc/" + k; }
 
+  // The first member decides whether the group on this store is static or dynamic; a member of
+  // the other kind fails here, before it publishes anything.
+  void claim_mode(const std::string& mine) {
+    const std::string k = key("mode");
+    const std::string got =
+        store::to_string(store_->compare_set(k, store::Bytes{}, store::to_bytes(mine)));
+    if (got != mine) throw RpcError(kMixedText);
+  }
+
+  static DynamicEntry parse_entry(std::int64_t seq, const std::string& v) {
+    const auto a = v.find('\n');
+    const auto b = a == std::string::npos ? a : v.find('\n', a + 1);
+    if (b == std::string::npos) {
+      throw RpcError("malformed member entry " + std::to_string(seq) + " in the store: '" + v +
+                     "'");
+    }
+    DynamicEntry e;
+    e.seq = seq;
+    e.info.id = std::stoi(v.substr(0, a));
+    e.info.name = v.substr(a + 1, b - a - 1);
+    e.address = v.substr(b + 1);
+    return e;
+  }
+
+  void erase_locked(int id) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) return;
+    by_name_.erase(it->second.name);
+    workers_.erase(it);
+    lost_.erase(id);
+    seqs_.erase(id);
+  }
+
   const WorkerInfo self_;
   const int world_size_;
+  const bool dynamic_;
   mutable std::mutex mu_;
-  std::vector<WorkerInfo> workers_;
+  std::map<int, WorkerInfo> workers_;  // id -> worker
   std::map<std::string, int> by_name_;
   std::map<int, std::string> lost_;  // id -> why (mark_lost)
+  // A dynamic group: the members' join numbers, this worker's, who left (for error texts), and
+  // whether this worker is leaving.
+  std::map<int, std::int64_t> seqs_;
+  std::int64_t own_seq_ = 0;
+  std::map<int, std::string> departed_;
+  std::set<std::string> departed_names_;
+  bool leaving_ = false;
   std::shared_ptr<store::Store> store_;
 };
 

@@ -96,12 +96,9 @@ inline net::Endpoint choose_worker_endpoint(const std::string& name,
   }
 }
 
-// Checks the options, meets the group through options.init_method and starts an agent on
-// transport policy T that runs what `registry` holds (null: the process's registry).
-template <class T>
-std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int world_size,
-                                      const RpcBackendOptions& options,
-                                      std::shared_ptr<const Registry> registry) {
+// The checks every agent's options pass before it starts (init_rpc, RpcGroup::join).
+inline void check_agent_options(const std::string& name, const RpcBackendOptions& options,
+                                const std::shared_ptr<const Registry>& registry) {
   validate_worker_name(name);
   // Two implementations registered under one name while the program started (DISTRPC_EXPOSE,
   // DISTRPC_REGISTER, call sites): refused here, as it could not be at start-up. The process's
@@ -124,9 +121,14 @@ std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int wor
     throw std::invalid_argument("shutdown_grace must be >= 0 ms (0: abandon at once), got " +
                                 std::to_string(options.shutdown_grace.count()) + " ms");
   }
-  // The rendezvous store guards the workers' addresses: it takes the transports' secret.
-  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout,
-                                options.auth_token);
+}
+
+// An agent on transport policy T for the group met in `rdzv` (its world size -1: a dynamic
+// group), listening where the options and the rendezvous say; its worker table is still empty.
+template <class T>
+std::shared_ptr<RpcAgent> make_agent(const std::string& name, const store::RendezvousResult& rdzv,
+                                     const RpcBackendOptions& options,
+                                     std::shared_ptr<const Registry> registry) {
   const net::Endpoint endpoint = choose_worker_endpoint(name, options, rdzv);
   RpcBackendOptions effective = options;
   effective.listen_host = endpoint.listen_host;
@@ -137,6 +139,20 @@ std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int wor
   auto agent = std::make_shared<Agent<T>>(WorkerInfo{rdzv.rank, name}, rdzv.world_size,
                                           std::move(effective), std::move(registry));
   agent->set_store(rdzv.store);
+  return agent;
+}
+
+// Checks the options, meets the group through options.init_method and starts an agent on
+// transport policy T that runs what `registry` holds (null: the process's registry).
+template <class T>
+std::shared_ptr<RpcAgent> start_agent(const std::string& name, int rank, int world_size,
+                                      const RpcBackendOptions& options,
+                                      std::shared_ptr<const Registry> registry) {
+  check_agent_options(name, options, registry);
+  // The rendezvous store guards the workers' addresses: it takes the transports' secret and TLS.
+  auto rdzv = store::rendezvous(options.init_method, rank, world_size, options.init_timeout,
+                                options.auth_token, options.tls);
+  auto agent = make_agent<T>(name, rdzv, options, std::move(registry));
   try {
     agent->join_group();
   } catch (...) {

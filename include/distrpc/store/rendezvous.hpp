@@ -110,7 +110,7 @@ inline int merge(const std::string& url, const char* what, int arg, int from_url
 inline void check_rank(const std::string& url, int rank, int world) {
   if (rank < 0) {
     throw DistError("rendezvous '" + url +
-                    "': rank missing: pass rank >= 0 or add ?rank=R to the URL");
+                    "': rank parameter missing: pass rank >= 0 or add ?rank=R to the URL");
   }
   if (world < 1) {
     throw DistError("rendezvous '" + url +
@@ -177,6 +177,34 @@ inline int env_int(const char* name, long long lo, long long hi) {
                     std::to_string(hi));
   }
   return out;
+}
+
+// A tcp:// URL's host and port (the part before any '?').
+inline std::pair<std::string, int> parse_tcp_authority(const std::string& url,
+                                                       const std::string& authority) {
+  std::string host, port_text;
+  if (!authority.empty() && authority[0] == '[') {
+    const auto close = authority.find(']');
+    if (close == std::string::npos || close + 1 >= authority.size() ||
+        authority[close + 1] != ':') {
+      bad_url(url, "an IPv6 host is written [addr]:port");
+    }
+    host = authority.substr(1, close - 1);
+    port_text = authority.substr(close + 2);
+  } else {
+    const auto colon = authority.rfind(':');
+    if (colon == std::string::npos) bad_url(url, "no port after the host");
+    host = authority.substr(0, colon);
+    port_text = authority.substr(colon + 1);
+  }
+  if (host.empty()) bad_url(url, "empty host");
+  if (port_text.find('/') != std::string::npos) bad_url(url, "a tcp:// URL has no path");
+  int port = 0;
+  if (!parse_int(port_text, 0, 65535, port)) {
+    throw DistError("rendezvous '" + url + "': port '" + port_text +
+                    "' is not a number in 0..65535");
+  }
+  return {host, port};
 }
 
 // See "Where rank 0's server listens" above: "" (what `host` resolves to) or a wildcard.
@@ -291,28 +319,7 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
     const std::string authority = rest.substr(0, q);
     int url_rank = -1, url_world = -1;
     if (q != std::string::npos) detail::parse_query(url, rest.substr(q + 1), url_rank, url_world);
-    std::string host, port_text;
-    if (!authority.empty() && authority[0] == '[') {
-      const auto close = authority.find(']');
-      if (close == std::string::npos || close + 1 >= authority.size() ||
-          authority[close + 1] != ':') {
-        detail::bad_url(url, "an IPv6 host is written [addr]:port");
-      }
-      host = authority.substr(1, close - 1);
-      port_text = authority.substr(close + 2);
-    } else {
-      const auto colon = authority.rfind(':');
-      if (colon == std::string::npos) detail::bad_url(url, "no port after the host");
-      host = authority.substr(0, colon);
-      port_text = authority.substr(colon + 1);
-    }
-    if (host.empty()) detail::bad_url(url, "empty host");
-    if (port_text.find('/') != std::string::npos) detail::bad_url(url, "a tcp:// URL has no path");
-    int port = 0;
-    if (!detail::parse_int(port_text, 0, 65535, port)) {
-      throw DistError("rendezvous '" + url + "': port '" + port_text +
-                      "' is not a number in 0..65535");
-    }
+    const auto [host, port] = detail::parse_tcp_authority(url, authority);
     rank = detail::merge(url, "rank", rank, url_rank);
     world_size = detail::merge(url, "world_size", world_size, url_world);
     detail::check_rank(url, rank, world_size);
@@ -336,6 +343,64 @@ inline RendezvousResult rendezvous(const std::string& url, int rank = -1, int wo
         std::make_shared<FileStore>(path, world_size, timeout), rank, world_size, -1, -1, "", 0};
   }
 
+  throw DistError("rendezvous: unknown scheme '" + scheme + "' in '" + url + "' (expected " +
+                  detail::kUrlForms + ")");
+}
+
+// rendezvous() for a dynamic group (no world size: members join and leave over time, e.g. the
+// elastic RPC groups of init_rpc without a world size). Only the rank is needed: from `rank`, else
+// the URL's ?rank=, else (env://) RANK; missing: "rank parameter missing" (env://: "environment
+// variable RANK expected"). Rank 0 hosts the TCP server (tcp://, env://), as in a static group, so
+// it must be the first to start and the last to leave; a FileStore is never removed by the members
+// (nobody knows which is last). world_size in the result is -1. `auth_secret` and `tls` as for
+// rendezvous().
+inline RendezvousResult rendezvous_dynamic(
+    const std::string& url, int rank = -1,
+    std::chrono::milliseconds timeout = Store::kDefaultTimeout, const std::string& auth_secret = "",
+    const TlsOptions& tls = {}) {
+  const auto sep = url.find("://");
+  if (sep == std::string::npos || sep == 0) detail::bad_url(url, "no scheme");
+  const std::string scheme = url.substr(0, sep);
+  const std::string rest = url.substr(sep + 3);
+  const auto q = rest.find('?');
+  int url_rank = -1, url_world = -1;
+  if (q != std::string::npos) detail::parse_query(url, rest.substr(q + 1), url_rank, url_world);
+  if (url_world >= 0) {
+    throw DistError("rendezvous '" + url +
+                    "': a dynamic group has no world size: remove ?world_size= from the URL");
+  }
+  rank = detail::merge(url, "rank", rank, url_rank);
+  const auto need_rank = [&] {
+    if (rank < 0) {
+      throw DistError("rendezvous '" + url +
+                      "': rank parameter missing: a dynamic group needs each member's rank "
+                      "(pass rank >= 0 or add ?rank=R to the URL)");
+    }
+  };
+  if (scheme == "env") {
+    if (!rest.substr(0, q).empty()) detail::bad_url(url, "env:// takes nothing after the scheme");
+    if (rank < 0) rank = detail::env_launcher_int(detail::kRankVars, 0, 1 << 30, true);
+    const std::string host = detail::env_or_throw("MASTER_ADDR");
+    const int port = detail::env_int("MASTER_PORT", 0, 65535);
+    auto store = detail::tcp_store(url, host, port, rank, -1, timeout, auth_secret, tls);
+    const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
+    return {std::move(store), rank, -1, -1, -1, host, bound};
+  }
+  if (scheme == "tcp" || scheme == "file") {
+    need_rank();
+    // The store gets no world size: no waiting for workers, no file cleanup.
+    if (scheme == "file") {
+      const std::string path = rest.substr(0, q);
+      if (path.empty() || path[0] != '/') {
+        detail::bad_url(url, "a file:// URL needs an absolute path, as in file:///tmp/store");
+      }
+      return {std::make_shared<FileStore>(path, -1, timeout), rank, -1, -1, -1, "", 0};
+    }
+    const auto [host, port] = detail::parse_tcp_authority(url, rest.substr(0, q));
+    auto store = detail::tcp_store(url, host, port, rank, -1, timeout, auth_secret, tls);
+    const int bound = port != 0 ? port : static_cast<TCPStore&>(*store).port();
+    return {std::move(store), rank, -1, -1, -1, host, bound};
+  }
   throw DistError("rendezvous: unknown scheme '" + scheme + "' in '" + url + "' (expected " +
                   detail::kUrlForms + ")");
 }

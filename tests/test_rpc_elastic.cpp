@@ -1,0 +1,351 @@
+// Elastic (dynamic) membership: init_rpc without a world size joins a dynamic group through the
+// store. Workers join one after another and all call each other; a late joiner reaches members
+// that already called each other (and they reach it); a member that leaves drops out of every
+// view and calls to it fail naming it; the error texts of a missing rank, of env:// without RANK
+// and of a group mixing static and dynamic members; a worker killed with SIGKILL is replaced by a
+// new process under its name (calls to the dead one fail naming it, its RRefs fail, never hang;
+// afterwards calls reach the replacement). Runs on the transport under test
+// (DISTRPC_TEST_TRANSPORT), like the other RPC suites.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <distrpc/rpc.hpp>
+#include <distrpc/rref.hpp>
+
+#include "multiprocess.hpp"
+#include "support/rpc_test_util.hpp"
+#include "support/rpc_under_test.hpp"
+
+using namespace std::chrono_literals;
+using distrpc::RpcBackendOptions;
+using distrpc::WorkerInfo;
+using distrpc::testing::contains;
+using distrpc::testing::error_of;
+using distrpc::testing::file_url;
+using distrpc::testing::RankContext;
+using distrpc::testing::wname;
+
+namespace elastic_test {
+
+// Which process answers: 1 for the first incarnation of a worker, 2 for its replacement.
+int g_incarnation = 1;
+
+int plus(int a, int b) {
+  return a + b;
+}
+int incarnation() {
+  return g_incarnation;
+}
+int make_value(int v) {
+  return v;
+}
+
+void join(const RankContext& ctx, const std::string& name, int rank,
+          const std::string& tag = "elastic") {
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, tag);
+  distrpc::testing::init_rpc_dynamic_under_test(name, rank, o);
+}
+
+std::set<std::string> member_names() {
+  std::set<std::string> out;
+  for (const auto& w : distrpc::get_worker_infos()) out.insert(w.name);
+  return out;
+}
+
+// Each rank publishes `tag<rank>` and waits for every rank in `ranks` to have done so.
+void meet(const RankContext& ctx, const std::string& tag, const std::vector<int>& ranks) {
+  ctx.publish(tag + std::to_string(ctx.rank), "1");
+  for (int r : ranks) (void)ctx.lookup(tag + std::to_string(r), 60s);
+}
+
+}  // namespace elastic_test
+
+using namespace elastic_test;
+
+// ---- joins -------------------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("elastic: three workers join one after another and all call each other", 3, 90) {
+  if (ctx.rank > 0) (void)ctx.lookup("joined" + std::to_string(ctx.rank - 1), 60s);
+  join(ctx, wname(ctx.rank), ctx.rank);
+  // At its join, a worker sees itself and every earlier member.
+  std::set<std::string> expected;
+  for (int r = 0; r <= ctx.rank; ++r) expected.insert(wname(r));
+  CHECK(member_names() == expected);
+  CHECK(distrpc::get_worker_info().id == ctx.rank);
+  ctx.publish("joined" + std::to_string(ctx.rank), "1");
+  // Once the last init_rpc returned, every member has it: the members added it before answering.
+  (void)ctx.lookup("joined2", 60s);
+  CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
+  for (int r = 0; r < 3; ++r) {
+    CHECK(distrpc::get_worker_info(wname(r)).id == r);
+    if (r == ctx.rank) continue;
+    CHECK(distrpc::rpc_sync<&plus>(wname(r), ctx.rank * 10, r) == ctx.rank * 10 + r);
+    CHECK(distrpc::rpc_sync<&plus>(r, ctx.rank, 100) == ctx.rank + 100);  // by rank
+  }
+  CHECK(distrpc::rpc_sync<&plus>(wname(ctx.rank), 1, 1) == 2);  // self
+  meet(ctx, "called", {0, 1, 2});
+  CHECK_NOTHROW(distrpc::shutdown());
+  CHECK_FALSE(distrpc::is_initialized());
+}
+
+DISTRPC_MP_TEST("elastic: a late joiner after the others already called each other", 3, 90) {
+  if (ctx.rank < 2) {
+    join(ctx, wname(ctx.rank), ctx.rank);
+    meet(ctx, "up", {0, 1});
+    const int other = 1 - ctx.rank;
+    CHECK(distrpc::rpc_sync<&plus>(wname(other), 20, 3) == 23);
+    CHECK(distrpc::get_worker_infos().size() == 2);
+    ctx.publish("early_calls" + std::to_string(ctx.rank), "1");
+    (void)ctx.lookup("joined2", 60s);
+    // The earlier members call the late one by name and by rank; it is in their views.
+    CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
+    CHECK(distrpc::rpc_sync<&plus>(wname(2), ctx.rank, 40) == ctx.rank + 40);
+    CHECK(distrpc::rpc_sync<&plus>(2, ctx.rank, 50) == ctx.rank + 50);
+    CHECK((distrpc::get_worker_info(wname(2)) == WorkerInfo{2, wname(2)}));
+  } else {
+    (void)ctx.lookup("early_calls0", 60s);
+    (void)ctx.lookup("early_calls1", 60s);
+    join(ctx, wname(2), 2);
+    CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
+    CHECK(distrpc::get_worker_infos().size() == 3);
+    CHECK(distrpc::rpc_sync<&plus>(wname(0), 2, 5) == 7);
+    CHECK(distrpc::rpc_sync<&plus>(wname(1), 2, 6) == 8);
+    ctx.publish("joined2", "1");
+  }
+  meet(ctx, "called", {0, 1, 2});
+  CHECK_NOTHROW(distrpc::shutdown());
+}
+
+// ---- leaves ------------------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("elastic: a member leaves; the others drop it and calls to it fail naming it", 3,
+                90) {
+  if (ctx.rank > 0) (void)ctx.lookup("joined" + std::to_string(ctx.rank - 1), 60s);
+  join(ctx, wname(ctx.rank), ctx.rank);
+  ctx.publish("joined" + std::to_string(ctx.rank), "1");
+  (void)ctx.lookup("joined2", 60s);
+  for (int r = 0; r < 3; ++r) {
+    if (r != ctx.rank) CHECK(distrpc::rpc_sync<&plus>(r, 1, r) == 1 + r);
+  }
+  meet(ctx, "called", {0, 1, 2});
+  if (ctx.rank == 2) {
+    // No barrier with the others: they are not shutting down, and its shutdown returns anyway.
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_NOTHROW(distrpc::shutdown());
+    MESSAGE("leaving took " << distrpc::testing::ms_since(t0) << " ms");
+    CHECK(distrpc::testing::ms_since(t0) < 5000);
+    ctx.publish("left2", "1");
+    return;
+  }
+  (void)ctx.lookup("left2", 60s);
+  CHECK((member_names() == std::set<std::string>{wname(0), wname(1)}));
+  const std::string by_name = error_of([] { distrpc::rpc_sync<&plus>(wname(2), 1, 1); });
+  CHECK_MESSAGE(contains(by_name, "'worker2' left the group"), by_name);
+  const std::string by_rank = error_of([] { distrpc::rpc_sync<&plus>(2, 1, 1); });
+  CHECK_MESSAGE(contains(by_rank, "worker 'worker2' left the group"), by_rank);
+  const std::string by_info = error_of([] {
+    distrpc::rpc_sync<&plus>(WorkerInfo{2, "worker2"}, 1, 1);
+  });
+  CHECK_MESSAGE(contains(by_info, "worker2"), by_info);
+  CHECK_THROWS_WITH_AS(distrpc::get_worker_info(wname(2)), doctest::Contains("left the group"),
+                       distrpc::RpcError);
+  // The rest of the group works on.
+  CHECK(distrpc::rpc_sync<&plus>(wname(1 - ctx.rank), 3, 4) == 7);
+  meet(ctx, "checked", {0, 1});
+  CHECK_NOTHROW(distrpc::shutdown());
+}
+
+// ---- error texts -------------------------------------------------------------------------------
+
+DISTRPC_MP_TEST("elastic: a missing rank, and env:// without RANK, fail with PyTorch's texts", 1,
+                60) {
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "norank");
+  const std::string file_text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(0), -1, o); });
+  CHECK_MESSAGE(contains(file_text, "rank parameter missing"), file_text);
+  o.init_method = "tcp://127.0.0.1:" + std::to_string(distrpc::testing::free_loopback_port());
+  const std::string tcp_text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(0), -1, o); });
+  CHECK_MESSAGE(contains(tcp_text, "rank parameter missing"), tcp_text);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  for (const char* v : {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) ::unsetenv(v);
+  o.init_method = "env://";
+  const std::string env_text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(0), -1, o); });
+  CHECK_MESSAGE(contains(env_text, "environment variable RANK expected"), env_text);
+  CHECK_FALSE(distrpc::is_initialized());
+  // A world size in the URL contradicts a dynamic group.
+  o.init_method = file_url(ctx, "norank") + "?rank=0&world_size=2";
+  const std::string world_text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(0), -1, o); });
+  CHECK_MESSAGE(contains(world_text, "a dynamic group has no world size"), world_text);
+  // The rank from the URL is enough.
+  o.init_method = file_url(ctx, "urlrank") + "?rank=0";
+  distrpc::testing::init_rpc_dynamic_under_test(wname(0), -1, o);
+  CHECK((distrpc::get_worker_info() == WorkerInfo{0, wname(0)}));
+  CHECK(distrpc::rpc_sync<&plus>(wname(0), 2, 2) == 4);
+  CHECK_NOTHROW(distrpc::shutdown());
+}
+
+DISTRPC_MP_TEST("elastic: a group mixing static and dynamic members is refused", 3, 90) {
+  const std::string mixed =
+      "RPC group mixes statically and dynamically initialized members which is not supported.";
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "mixed");
+  if (ctx.rank < 2) {
+    // A static group of two.
+    distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, 2, o);
+    ctx.publish("static_up" + std::to_string(ctx.rank), "1");
+    (void)ctx.lookup("mix_tried", 60s);
+    // Unaffected by the refused joiner.
+    CHECK(distrpc::get_worker_infos().size() == 2);
+    CHECK(distrpc::rpc_sync<&plus>(wname(1 - ctx.rank), 5, 5) == 10);
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  (void)ctx.lookup("static_up0", 60s);
+  (void)ctx.lookup("static_up1", 60s);
+  const std::string text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(2), 2, o); });
+  CHECK_MESSAGE(text == mixed, text);
+  CHECK_FALSE(distrpc::is_initialized());
+  ctx.publish("mix_tried", "1");
+  // The process lives on: a dynamic group of its own works; after it, a static member on that
+  // group's store is refused with the same text.
+  join(ctx, wname(2), 0, "own");
+  CHECK(distrpc::rpc_sync<&plus>(wname(2), 1, 2) == 3);
+  CHECK_NOTHROW(distrpc::shutdown());
+  RpcBackendOptions s;
+  s.init_method = file_url(ctx, "own");
+  const std::string reverse =
+      error_of([&] { distrpc::testing::init_rpc_under_test(wname(1), 1, 2, s); });
+  CHECK_MESSAGE(reverse == mixed, reverse);
+  CHECK_FALSE(distrpc::is_initialized());
+}
+
+DISTRPC_MP_TEST("elastic: a joiner under the name of a live member is refused and leaves no trace",
+                2, 60) {
+  if (ctx.rank == 0) {
+    join(ctx, wname(0), 0);
+    ctx.publish("up0", "1");
+    (void)ctx.lookup("tried1", 60s);
+    CHECK((member_names() == std::set<std::string>{wname(0)}));
+    CHECK(distrpc::rpc_sync<&plus>(wname(0), 1, 1) == 2);
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  (void)ctx.lookup("up0", 60s);
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "elastic");
+  const std::string text =
+      error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(0), 1, o); });
+  CHECK_MESSAGE(contains(text, "Worker name 'worker0' is not unique"), text);
+  CHECK_MESSAGE(contains(text, "WorkerInfo(id=0, name=worker0) is alive"), text);
+  CHECK_FALSE(distrpc::is_initialized());
+  ctx.publish("tried1", "1");
+}
+
+// ---- a worker killed, then replaced ------------------------------------------------------------
+
+// Ranks 0..2 join as worker0..2; worker1 creates an RRef owned by worker2; worker2 dies by
+// SIGKILL; worker0's calls and worker1's to_here() fail naming it; process 3 joins as worker2
+// (rank 2) and both reach it.
+DISTRPC_MP_TARGET("elastic target: kill and replace") {
+  using Clock = std::chrono::steady_clock;
+  if (ctx.rank == 3) {
+    (void)ctx.lookup("saw_dead0", 60s);
+    (void)ctx.lookup("saw_dead1", 60s);
+    g_incarnation = 2;
+    join(ctx, wname(2), 2);
+    CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
+    CHECK(distrpc::rpc_sync<&plus>(wname(0), 2, 0) == 2);
+    CHECK(distrpc::rpc_sync<&plus>(wname(1), 2, 1) == 3);
+    ctx.publish("replaced", "1");
+    meet(ctx, "done", {0, 1, 3});
+    // The others' RRefs to values owned here are dropped; their deletes may still be in flight,
+    // and a leaving worker's leak check does not wait for other workers.
+    const auto t0 = Clock::now();
+    while (distrpc::get_debug_info().at("num_owner_rrefs") != "0" && Clock::now() - t0 < 10s) {
+      std::this_thread::sleep_for(10ms);
+    }
+    CHECK(distrpc::get_debug_info().at("num_owner_rrefs") == "0");
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  if (ctx.rank > 0) (void)ctx.lookup("joined" + std::to_string(ctx.rank - 1), 60s);
+  join(ctx, wname(ctx.rank), ctx.rank);
+  ctx.publish("joined" + std::to_string(ctx.rank), "1");
+  (void)ctx.lookup("joined2", 60s);
+  for (int r = 0; r < 3; ++r) {
+    if (r != ctx.rank) CHECK(distrpc::rpc_sync<&plus>(r, 0, r) == r);
+  }
+  if (ctx.rank == 2) {
+    (void)ctx.lookup("rref_made", 60s);
+    ctx.publish("killed2", "now");
+    ::kill(::getpid(), SIGKILL);
+    std::this_thread::sleep_for(60s);  // never reached
+  }
+  std::optional<distrpc::RRef<int>> rref;
+  if (ctx.rank == 1) {
+    rref = distrpc::remote<&make_value>(wname(2), 7);
+    CHECK(rref->to_here() == 7);
+    ctx.publish("rref_made", "1");
+  }
+  (void)ctx.lookup("killed2", 60s);
+  // Calls to the dead worker fail, naming it, soon (the connection breaks or is refused).
+  std::string dead_text;
+  const auto t0 = Clock::now();
+  while (dead_text.empty() && Clock::now() - t0 < 20s) {
+    dead_text = error_of([] { distrpc::rpc_sync<&incarnation>(wname(2)); });
+    if (dead_text.empty()) std::this_thread::sleep_for(20ms);
+  }
+  CHECK_MESSAGE(contains(dead_text, "worker2"), dead_text);
+  if (rref) {
+    // An RRef owned by the dead worker fails cleanly (the test's time limit catches a hang).
+    const std::string rref_text = error_of([&] { (void)rref->to_here(); });
+    CHECK_MESSAGE(contains(rref_text, "worker2"), rref_text);
+    rref.reset();
+  }
+  ctx.publish("saw_dead" + std::to_string(ctx.rank), "1");
+  (void)ctx.lookup("replaced", 60s);
+  // The replacement is in the view under the same name and rank, and answers calls.
+  CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
+  CHECK(distrpc::get_worker_info(wname(2)).id == 2);
+  CHECK(distrpc::rpc_sync<&incarnation>(wname(2)) == 2);
+  CHECK(distrpc::rpc_sync<&incarnation>(2) == 2);
+  {
+    auto fresh = distrpc::remote<&make_value>(wname(2), 11);
+    CHECK(fresh.to_here() == 11);
+  }
+  meet(ctx, "done", {0, 1, 3});
+  CHECK_NOTHROW(distrpc::shutdown());
+}
+
+TEST_CASE("elastic: a worker killed with SIGKILL is replaced by a new process under its name") {
+  distrpc::testing::RunOptions o;
+  o.world = 4;
+  o.limit = 90s;
+  o.may_die = {2};
+  const auto r = distrpc::testing::run_ranks("elastic target: kill and replace", o);
+  CHECK_MESSAGE(r.ok, r.report());
+  for (const auto& rank : r.ranks) {
+    if (rank.rank == 2) {
+      CHECK_MESSAGE(rank.signal == SIGKILL, r.report());
+    } else {
+      CHECK_MESSAGE(rank.exit_code == 0, r.report());
+    }
+  }
+}
