@@ -201,15 +201,18 @@ struct Counts {
     if (large_call) --large_outstanding;
     cv.notify_all();
   }
-  // A failure counts as named when its text names the worker called or the one it relayed to
-  // (quoted, as distrpc's errors quote worker names).
+  // Whether `text` names worker `who` as distrpc's errors do: quoted ('w1') or in a WorkerInfo
+  // (name=w1).
+  static bool names(const std::string& text, const std::string& who) {
+    return !who.empty() && (text.find("'" + who + "'") != std::string::npos ||
+                            text.find("name=" + who + ")") != std::string::npos);
+  }
+  // A failure counts as named when its text names the worker called or the one it relayed to.
   void fail(const std::string& text, const std::string& target, const std::string& via) {
     failed.fetch_add(1);
-    const bool named = text.find("'" + target + "'") != std::string::npos ||
-                       (!via.empty() && text.find("'" + via + "'") != std::string::npos);
+    const bool named = names(text, target) || names(text, via);
     std::lock_guard<std::mutex> lk(mu);
-    ++failed_by_target[named ? (text.find("'" + target + "'") != std::string::npos ? target : via)
-                             : "(unnamed)"];
+    ++failed_by_target[named ? (names(text, target) ? target : via) : "(unnamed)"];
     if (!named) {
       failed_unnamed.fetch_add(1);
       if (unnamed_texts.size() < 5) unnamed_texts.push_back(text);
@@ -351,20 +354,31 @@ int run_worker(const Args& a) {
   }
   const std::int64_t rss_end = rss_kb();
   // Stay a member until every current member has drained, so nobody's calls fail because a
-  // healthy worker left at the end.
-  write_file(a.dir + "/drained-" + a.name + "-" + std::to_string(::getpid()), "1");
-  const auto wait_end = Clock::now() + std::chrono::seconds(30);
-  while (Clock::now() < wait_end) {
-    int drained = 0;
-    for (const auto& e : std::filesystem::directory_iterator(a.dir)) {
-      if (e.path().filename().string().rfind("drained-", 0) == 0 &&
-          e.path().extension() != ".tmp") {
-        ++drained;
+  // healthy worker left at the end; then until the RRefs this worker owns were released by their
+  // users (they dropped theirs before draining), so no member leaves while another still holds
+  // one of its RRefs (a leak, which a graceful leave reports).
+  const auto meet = [&](const std::string& step, std::chrono::seconds limit) {
+    write_file(a.dir + "/" + step + "-" + a.name + "-" + std::to_string(::getpid()), "1");
+    const auto wait_end = Clock::now() + limit;
+    while (Clock::now() < wait_end) {
+      int arrived = 0;
+      for (const auto& e : std::filesystem::directory_iterator(a.dir)) {
+        if (e.path().filename().string().rfind(step + "-", 0) == 0 &&
+            e.path().extension() != ".tmp") {
+          ++arrived;
+        }
       }
+      if (arrived >= static_cast<int>(distrpc::get_worker_infos().size())) return;
+      std::this_thread::sleep_for(milliseconds(50));
     }
-    if (drained >= static_cast<int>(distrpc::get_worker_infos().size())) break;
+  };
+  meet("drained", std::chrono::seconds(30));
+  const auto release_end = Clock::now() + std::chrono::seconds(15);
+  while (Clock::now() < release_end && distrpc::get_debug_info()["num_owner_rrefs"] != "0") {
     std::this_thread::sleep_for(milliseconds(50));
   }
+  const std::string owned_left = distrpc::get_debug_info()["num_owner_rrefs"];
+  meet("released", std::chrono::seconds(20));
 
   std::ostringstream j;
   {
@@ -378,7 +392,8 @@ int run_worker(const Args& a) {
       << ",\"small\":" << counts->small.load() << ",\"large_1MiB\":" << counts->large.load()
       << ",\"rref\":" << counts->rrefs.load() << ",\"nested\":" << counts->nested.load()
       << ",\"rss_start_kb\":" << rss_start << ",\"rss_warm_kb\":" << rss_warm
-      << ",\"rss_end_kb\":" << rss_end << ",\"failed_by\":{";
+      << ",\"rss_end_kb\":" << rss_end << ",\"owned_rrefs_at_end\":" << owned_left
+      << ",\"failed_by\":{";
     bool first = true;
     for (const auto& [who, n] : counts->failed_by_target) {
       j << (first ? "" : ",") << "\"" << json_escape(who) << "\":" << n;
@@ -455,7 +470,9 @@ int run_launcher(const Args& a) {
   const std::string dir = tmpl;
   const std::int64_t start = now_epoch_ms();
   const std::int64_t until = start + a.seconds * 1000LL;
-  const std::int64_t warm = start + std::max<std::int64_t>(3000, a.seconds * 250LL);
+  // Warm-up: the first 40 % of the run (at least 3 s): allocator pools and connection buffers
+  // reach their working size there; what grows after it is what a leak would look like.
+  const std::int64_t warm = start + std::max<std::int64_t>(3000, a.seconds * 400LL);
 
   std::vector<Child> kids;
   for (int r = 0; r < a.workers; ++r) {

@@ -199,6 +199,7 @@ if [ -x build/examples/soak ]; then
     echo "== chaos soak [$tr] (4 workers, ${DISTRPC_SOAK_SECONDS:-20} s, kills and replacements)"
     start=$SECONDS
     if timeout 300 build/examples/soak --transport "$tr" --seconds "${DISTRPC_SOAK_SECONDS:-20}" \
+         --kill-every-ms 3000 --max-growth-pct "${DISTRPC_SOAK_GROWTH:-15}" \
          >"$logdir/soak-$tr.log" 2>&1; then
       passed=$((passed + 1)); rc=0
     else

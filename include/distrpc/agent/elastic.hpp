@@ -189,8 +189,14 @@ class ElasticProtocol {
       if (m.is_lost(c.id)) continue;
       if (answers(c)) return {kRefused, not_unique(w, c)};
       m.mark_lost(c.id, "it no longer answers; replaced by " + w.str());
+      // Its connection never broke here, so nothing released what it held: the RRef forks of
+      // the old incarnation go now, as a lost worker's do, before the new one can hold any (this
+      // runs on a request thread: values may be destroyed here).
+      for (const auto& x : agent_->extensions_) x->on_peer_lost(c.id);
     }
-    return {m.admit(w, seq) ? kAdmitted : kLeaving, std::string()};
+    if (!m.admit(w, seq)) return {kLeaving, std::string()};
+    for (const auto& x : agent_->extensions_) x->on_peer_joined(w.id);
+    return {kAdmitted, std::string()};
   }
 
   static std::string not_unique(const WorkerInfo& joiner, const WorkerInfo& live) {

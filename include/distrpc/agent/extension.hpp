@@ -295,6 +295,9 @@ class AgentExtension {
 
   // Worker `peer` is lost (on the callback pool).
   virtual void on_peer_lost(int /*peer*/) {}
+  // A worker joined a dynamic group as `peer`, possibly replacing a lost one of that id (on a
+  // request thread, before the joiner can send anything to this worker).
+  virtual void on_peer_joined(int /*peer*/) {}
   // Graceful shutdown, after the group's calls joined: release what this worker holds of others
   // (bounded by `limit`); the group then meets once more before report_leaks().
   virtual void before_exit(std::chrono::milliseconds /*limit*/) {}

@@ -820,6 +820,9 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     std::size_t dropped_deletes = 0;
     {
       std::lock_guard<std::mutex> lk(mu_);
+      // A request the peer sent before it died may still create a fork for it afterwards: that
+      // fork is dropped at once (add_fork_locked), until a replacement joins under its id.
+      lost_holders_.insert(peer);
       for (auto it = forks_.begin(); it != forks_.end();) {
         auto& forks = it->second;
         for (auto f = forks.begin(); f != forks.end();) {
@@ -861,6 +864,11 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     }
     if (dropped_deletes > 0) protocol_steps_done(dropped_deletes);
     // Values and parents are released here, outside the lock.
+  }
+
+  void on_peer_joined(int peer) {
+    std::lock_guard<std::mutex> lk(mu_);
+    lost_holders_.erase(peer);  // a replacement: its forks are its own
   }
 
   // Graceful shutdown: wait for confirmations, release every user RRef (even those kept alive by
@@ -998,6 +1006,12 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   }
 
   void add_fork_locked(const RRefId& id, const ForkId& fork, int holder) {
+    if (lost_holders_.count(holder) > 0) {
+      // Its holder is gone (on_peer_lost ran before this request was served): nobody will ever
+      // delete it.
+      erase_unforked_locked(id);
+      return;
+    }
     auto t = early_deletes_.find(id);
     if (t != early_deletes_.end() && t->second.erase(fork) > 0) {
       // Its delete overtook it: the fork is already gone.
@@ -1216,6 +1230,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   std::map<RRefId, std::map<ForkId, int>> forks_;  // fork -> the worker holding it
   std::size_t forks_total_ = 0;
   std::map<RRefId, std::set<ForkId>> early_deletes_;
+  std::set<int> lost_holders_;  // workers lost (and not replaced since): they hold no fork
   // remote() calls that failed before they ran, for the fetches their creators sent along.
   static constexpr std::size_t kMaxUnrunRemotes = 1024;
   std::map<RRefId, std::exception_ptr> unrun_remotes_;
