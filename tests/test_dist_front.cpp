@@ -438,15 +438,19 @@ TEST_CASE("dist front: world of one with the Dummy backend; case-insensitive nam
         "Backend Dummy does not support reduce");
 }
 
+// A port a TCPStore could listen on just now (a master bound to port 0, then closed), for a
+// group whose rank 0 must host its store at a known port.
+int free_store_port() {
+  distrpc::store::TCPStoreOptions o;
+  o.is_master = true;
+  return distrpc::store::TCPStore(o).port();
+}
+
 TEST_CASE("dist front: the rendezvous store takes InitOptions::auth_secret") {
   register_test_backends();
   DestroyAtEnd guard;
   namespace st = distrpc::store;
-  st::TCPStoreOptions probe_opts;
-  probe_opts.is_master = true;
-  auto probe = std::make_unique<st::TCPStore>(probe_opts);
-  const int port = probe->port();
-  probe.reset();  // frees the port for the group's store
+  const int port = free_store_port();
   dist::init_process_group({.backend = "dummy",
                             .init_method = "tcp://127.0.0.1:" + std::to_string(port),
                             .rank = 0,
@@ -471,11 +475,7 @@ TEST_CASE("dist front: the rendezvous store takes InitOptions::tls") {
   DestroyAtEnd guard;
   namespace st = distrpc::store;
   const auto& certs = distrpc::testing::tls_files();
-  st::TCPStoreOptions probe_opts;
-  probe_opts.is_master = true;
-  auto probe = std::make_unique<st::TCPStore>(probe_opts);
-  const int port = probe->port();
-  probe.reset();  // frees the port for the group's store
+  const int port = free_store_port();
   dist::init_process_group({.backend = "dummy",
                             .init_method = "tcp://127.0.0.1:" + std::to_string(port),
                             .rank = 0,

@@ -202,6 +202,16 @@ class RpcAgent : public AgentServices,
 
   // The layers plugged into this agent (extension.hpp).
   const std::vector<std::shared_ptr<AgentExtension>>& extensions() const { return extensions_; }
+  // Every layer's leak report at a graceful exit (each logs its own); the first as an RpcError,
+  // or null when none leaked.
+  std::exception_ptr extension_leaks() const {
+    std::exception_ptr first;
+    for (const auto& x : extensions_) {
+      const std::string leaks = x->report_leaks();
+      if (!leaks.empty() && !first) first = std::make_exception_ptr(RpcError(leaks));
+    }
+    return first;
+  }
   // The instance of layer E plugged into this agent (null if E registered no extension).
   template <class E>
   std::shared_ptr<E> extension() const {

@@ -34,21 +34,31 @@ namespace distrpc {
 
 // ---- lifecycle ---------------------------------------------------------------------------------
 
+namespace detail {
+// init_rpc's common part: one process agent at a time; `start` makes it (under the runtime's lock,
+// so two concurrent init_rpc calls cannot both start one).
+template <class Start>
+void install_runtime_agent(const std::string& name, Start&& start) {
+  validate_worker_name(name);
+  auto& rt = runtime();
+  std::lock_guard<std::mutex> lk(rt.mu);
+  if (rt.agent) {
+    throw RpcError("RPC is already initialized on this process (as " + rt.agent->self().str() +
+                   "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
+  }
+  rt.agent = start();
+  rt.was_shut_down = false;
+}
+}  // namespace detail
+
 // Starts this process's RPC agent on transport policy T and meets the other `world_size - 1`
 // workers through `options.init_method`. rank / world_size -1: read RANK / WORLD_SIZE (env://).
 // (A program that holds agents itself, or more than one: RpcGroup::join.)
 template <class T>
 void init_rpc(const std::string& name, int rank, int world_size,
               const RpcBackendOptions& options = {}) {
-  validate_worker_name(name);
-  auto& rt = detail::runtime();
-  std::lock_guard<std::mutex> lk(rt.mu);
-  if (rt.agent) {
-    throw RpcError("RPC is already initialized on this process (as " + rt.agent->self().str() +
-                   "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
-  }
-  rt.agent = detail::start_agent<T>(name, rank, world_size, options, nullptr);
-  rt.was_shut_down = false;
+  detail::install_runtime_agent(
+      name, [&] { return detail::start_agent<T>(name, rank, world_size, options, nullptr); });
 }
 
 // Without a world size: joins (or starts) the dynamic group of `options.init_method` as worker
@@ -58,15 +68,8 @@ void init_rpc(const std::string& name, int rank, int world_size,
 // without waiting for the others. See docs/rpc.md, "Elastic membership".
 template <class T>
 void init_rpc(const std::string& name, int rank, const RpcBackendOptions& options = {}) {
-  validate_worker_name(name);
-  auto& rt = detail::runtime();
-  std::lock_guard<std::mutex> lk(rt.mu);
-  if (rt.agent) {
-    throw RpcError("RPC is already initialized on this process (as " + rt.agent->self().str() +
-                   "): call distrpc::shutdown() before init_rpc(\"" + name + "\", ...)");
-  }
-  rt.agent = detail::start_dynamic_agent<T>(name, rank, options, nullptr);
-  rt.was_shut_down = false;
+  detail::install_runtime_agent(
+      name, [&] { return detail::start_dynamic_agent<T>(name, rank, options, nullptr); });
 }
 
 // ---- typed calls -------------------------------------------------------------------------------

@@ -145,10 +145,7 @@ class ElasticProtocol {
         }
         tell_departure(others, limit);
         wait_idle(Clock::now() + limit);
-        for (const auto& x : agent_->extensions()) {
-          const std::string leaks = x->report_leaks();
-          if (!leaks.empty() && !leak_error) leak_error = std::make_exception_ptr(RpcError(leaks));
-        }
+        if (auto leaks = agent_->extension_leaks(); leaks && !leak_error) leak_error = leaks;
       } catch (...) {
         error = std::current_exception();
       }

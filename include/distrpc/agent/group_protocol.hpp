@@ -175,10 +175,7 @@ class GroupProtocol {
         const auto last = gather(std::string(), {}, time_left(), /*tolerant=*/true, "shutdown");
         lost = last.lost;
         led_last = last.led;
-        for (const auto& x : agent_->extensions()) {
-          const std::string leaks = x->report_leaks();
-          if (!leaks.empty() && !leak_error) leak_error = std::make_exception_ptr(RpcError(leaks));
-        }
+        if (auto leaks = agent_->extension_leaks(); leaks && !leak_error) leak_error = leaks;
       } catch (...) {
         error = std::current_exception();
       }

@@ -184,8 +184,8 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad) 
   if ((flags & kFlagConj) != 0 && !at::isComplexType(*dtype)) {
     decode_fail(std::string("conjugate bit set on a tensor of dtype ") + c10::toString(*dtype));
   }
-  // libtorch cannot negate bools: a bool tensor with the negative bit fails every operation that
-  // reads it ("neg_cpu" not implemented for 'Bool'), so no sender can have meant one.
+  // libtorch has no negation of bools: every operation that reads a bool tensor with the
+  // negative bit raises an error, so no sender can have meant one.
   if ((flags & kFlagNeg) != 0 && *dtype == at::kBool) {
     decode_fail("negative bit set on a tensor of dtype Bool");
   }
