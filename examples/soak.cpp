@@ -11,6 +11,7 @@
 // /proc/self/exe, never fork()), because a launcher that stops the group when one member dies
 // (launch_local) is what a soak must not have. The group meets through a file:// store, so no
 // worker is special and any of them may be killed.
+#include <malloc.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -85,6 +86,13 @@ std::int64_t rss_kb() {
   std::int64_t size = 0, resident = 0;
   in >> size >> resident;
   return resident * (::sysconf(_SC_PAGESIZE) / 1024);
+}
+
+// Bytes malloc hands out now (in use, arenas and its own mappings): beside the resident size, it
+// tells a leak (this grows) from memory the allocator keeps without using it (only RSS grows).
+std::int64_t heap_in_use_kb() {
+  const struct mallinfo2 mi = ::mallinfo2();
+  return static_cast<std::int64_t>((mi.uordblks + mi.hblkhd) / 1024);
 }
 
 std::string json_escape(const std::string& s) {
@@ -248,13 +256,16 @@ int run_worker(const Args& a) {
   // late replacement; none (0) when that comes too close to the end to mean anything.
   const std::int64_t warm_at = std::max(a.warm_ms, now_epoch_ms() + 3000);
   const bool measure_growth = warm_at < a.until_ms - 2000;
-  std::int64_t rss_warm = 0;
+  std::int64_t rss_warm = 0, heap_warm = 0;
   std::int64_t seq = 0;
   // RRefs are held a while after their creation is confirmed, then dropped (a delete message).
   std::deque<distrpc::RRef<at::Tensor>> held;
 
   while (now_epoch_ms() < a.until_ms) {
-    if (measure_growth && rss_warm == 0 && now_epoch_ms() >= warm_at) rss_warm = rss_kb();
+    if (measure_growth && rss_warm == 0 && now_epoch_ms() >= warm_at) {
+      rss_warm = rss_kb();
+      heap_warm = heap_in_use_kb();
+    }
     if (Clock::now() - refresh > milliseconds(100)) {
       peers.clear();
       for (const auto& w : distrpc::get_worker_infos()) {
@@ -353,6 +364,7 @@ int run_worker(const Args& a) {
     lost = counts->outstanding;
   }
   const std::int64_t rss_end = rss_kb();
+  const std::int64_t heap_end = heap_in_use_kb();
   // Stay a member until every current member has drained, so nobody's calls fail because a
   // healthy worker left at the end; then until the RRefs this worker owns were released by their
   // users (they dropped theirs before draining), so no member leaves while another still holds
@@ -392,7 +404,8 @@ int run_worker(const Args& a) {
       << ",\"small\":" << counts->small.load() << ",\"large_1MiB\":" << counts->large.load()
       << ",\"rref\":" << counts->rrefs.load() << ",\"nested\":" << counts->nested.load()
       << ",\"rss_start_kb\":" << rss_start << ",\"rss_warm_kb\":" << rss_warm
-      << ",\"rss_end_kb\":" << rss_end << ",\"owned_rrefs_at_end\":" << owned_left
+      << ",\"rss_end_kb\":" << rss_end << ",\"heap_warm_kb\":" << heap_warm
+      << ",\"heap_end_kb\":" << heap_end << ",\"owned_rrefs_at_end\":" << owned_left
       << ",\"failed_by\":{";
     bool first = true;
     for (const auto& [who, n] : counts->failed_by_target) {

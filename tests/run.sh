@@ -118,6 +118,21 @@ if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
   else
     failed=$((failed + 1)); echo "   thread sanitizer build FAILED"; tail -50 "$logdir/tsan-build.log"
   fi
+  # The agent over libtorch: test_wire (codec, transports' conformance) and test_rpc on tcp and
+  # shm (DISTRPC_TSAN_TRANSPORTS). libtorch itself is not instrumented: what it does inside its
+  # own code (kernels, refcounts dropped there, its allocator) is invisible to TSan, so
+  # tests/tsan.supp ignores the interceptors called from its libraries and reports whose every
+  # frame is there; a race in our code, which is instrumented, is still reported.
+  echo "== thread sanitizer build (thread, test_wire and test_rpc on libtorch)"
+  if DISTRPC_CPP_ARGS=-Wno-tsan DISTRPC_TARGETS="tests/test_wire tests/test_rpc" \
+       distrpc_build build-tsan-torch -Dexamples=false -Db_sanitize=thread -Db_lundef=false \
+       -Doptimization=1 >"$logdir/tsan-torch-build.log" 2>&1; then
+    transports="${DISTRPC_TSAN_TRANSPORTS:-tcp shm}" \
+      TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1:history_size=4" \
+      run_suites build-tsan-torch "tsan:"
+  else
+    failed=$((failed + 1)); echo "   thread sanitizer build FAILED"; tail -50 "$logdir/tsan-torch-build.log"
+  fi
 fi
 
 # Coverage-guided fuzzing (libFuzzer, under ASan and UBSan) of the decoders that read what a peer

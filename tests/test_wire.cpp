@@ -16,6 +16,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <variant>
@@ -152,6 +153,97 @@ TEST_CASE("wire: the received tensor adopts the received buffer without a copy")
   CHECK(y.data_ptr() == received.buffers.at(0).data_ptr());
   CHECK(y.storage().is_alias_of(received.buffers[0].storage()));
   check_same_tensor(y, x);
+}
+
+TEST_CASE("wire: large received buffers come resident from RecvStorage and are reused") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  wire::RecvStorage pool(8 * MiB);  // its own cache; the tensors below die before it
+
+  SUBCASE("a freed block serves the next buffer of its size, the same memory, its bytes intact") {
+    void* first = nullptr;
+    {
+      at::Tensor a = pool.empty_bytes(3 * MiB);
+      CHECK(a.numel() == static_cast<std::int64_t>(3 * MiB));
+      CHECK((a.scalar_type() == at::kByte));
+      CHECK(a.storage().allocator() == &pool);
+      first = a.data_ptr();
+      a.fill_(7);
+      CHECK(a.sum().item<std::int64_t>() == static_cast<std::int64_t>(7 * 3 * MiB));
+    }
+    CHECK(pool.stats().cached_blocks == 1);
+    CHECK(pool.stats().cached_bytes == 3 * MiB);
+    at::Tensor b = pool.empty_bytes(3 * MiB);
+    CHECK(b.data_ptr() == first);
+    CHECK(pool.stats().mapped == 1);
+    CHECK(pool.stats().reused == 1);
+    CHECK(pool.stats().cached_blocks == 0);
+  }
+  SUBCASE("a block far larger than asked for is not handed out") {
+    { at::Tensor big = pool.empty_bytes(6 * MiB); }
+    CHECK(pool.stats().cached_blocks == 1);
+    at::Tensor small = pool.empty_bytes(1 * MiB);
+    CHECK(pool.stats().mapped == 2);
+    CHECK(pool.stats().reused == 0);
+    CHECK(pool.stats().cached_blocks == 1);
+  }
+  SUBCASE("the cache keeps at most its limit: the oldest blocks leave, a larger one is never kept") {
+    std::vector<at::Tensor> held;
+    for (int i = 0; i < 3; ++i) held.push_back(pool.empty_bytes(3 * MiB));
+    held.clear();  // 9 MiB freed into an 8 MiB cache
+    CHECK(pool.stats().cached_blocks == 2);
+    CHECK(pool.stats().cached_bytes == 6 * MiB);
+    { at::Tensor over = pool.empty_bytes(12 * MiB); }
+    CHECK(pool.stats().cached_blocks == 2);
+    CHECK(pool.stats().cached_bytes == 6 * MiB);
+    pool.trim();
+    CHECK(pool.stats().cached_blocks == 0);
+    CHECK(pool.stats().cached_bytes == 0);
+  }
+  SUBCASE("blocks of two huge pages or more start on a huge-page boundary") {
+    at::Tensor t = pool.empty_bytes(5 * MiB);
+    CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % (2 * MiB) == 0);
+  }
+  SUBCASE("a pooled tensor resizes like any other, keeping its bytes") {
+    at::Tensor t = pool.empty_bytes(2 * MiB);
+    t.fill_(3);
+    t.resize_({static_cast<std::int64_t>(5 * MiB)});
+    CHECK(t.numel() == static_cast<std::int64_t>(5 * MiB));
+    CHECK(t.narrow(0, 0, static_cast<std::int64_t>(2 * MiB)).sum().item<std::int64_t>() ==
+          static_cast<std::int64_t>(3 * 2 * MiB));
+  }
+  SUBCASE("below 1 MiB the CPU allocator serves, and nothing is cached") {
+    { at::Tensor t = pool.empty_bytes(MiB - 1); }
+    CHECK(pool.stats().mapped == 0);
+    CHECK(pool.stats().cached_blocks == 0);
+  }
+  SUBCASE("threads allocating and freeing at once leave the accounting whole") {
+    std::vector<std::thread> threads;
+    for (int k = 0; k < 4; ++k) {
+      threads.emplace_back([&pool, k] {
+        for (int i = 0; i < 50; ++i) {
+          at::Tensor t = pool.empty_bytes((1 + static_cast<std::size_t>((i + k) % 3)) * MiB);
+          static_cast<std::uint8_t*>(t.data_ptr())[0] = 1;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    const auto st = pool.stats();
+    CHECK(st.mapped + st.reused == 200);
+    CHECK(st.cached_bytes <= 8 * MiB);
+    CHECK(st.cached_blocks >= 1);
+  }
+}
+
+TEST_CASE("wire: allocate_message takes buffers of 1 MiB and more from RecvStorage") {
+  wire::Message sent;
+  sent.payload = "p";
+  sent.buffers = {at::zeros({1024}, at::kByte), at::zeros({std::int64_t{1} << 20}, at::kByte)};
+  const std::string header = wire::encode_frame_header(sent);
+  const wire::Message shaped = wire::allocate_message(wire::decode_frame_header(header));
+  REQUIRE(shaped.buffers.size() == 2);
+  CHECK(shaped.buffers[0].storage().allocator() != &wire::RecvStorage::instance());
+  CHECK(shaped.buffers[1].storage().allocator() == &wire::RecvStorage::instance());
+  CHECK(shaped.buffers[1].numel() == std::int64_t{1} << 20);
 }
 
 TEST_CASE("wire: non-contiguous views keep their strides and values") {

@@ -9,5 +9,6 @@
 #include <distrpc/wire/handshake.hpp>
 #include <distrpc/wire/ivalue_codec.hpp>
 #include <distrpc/wire/message.hpp>
+#include <distrpc/wire/recv_storage.hpp>
 #include <distrpc/wire/scalar_codec.hpp>
 #include <distrpc/wire/tensor_codec.hpp>

@@ -7,6 +7,7 @@
 #include <distrpc/wire/byte_order.hpp>
 #include <distrpc/wire/errors.hpp>
 #include <distrpc/wire/message.hpp>
+#include <distrpc/wire/recv_storage.hpp>
 
 #include <ATen/ops/empty.h>
 
@@ -298,8 +299,9 @@ inline FrameHeader decode_frame_header(std::string_view bytes, const Limits& lim
   return decoder.header();
 }
 
-// A message shaped by `header`, ready for the body: the payload is sized and each buffer is a fresh
-// `at::empty({n}, at::kByte)` that the transport reads straight into.
+// A message shaped by `header`, ready for the body: the payload is sized and each buffer is a 1-D
+// kByte tensor that the transport reads straight into: `at::empty({n}, at::kByte)`, or from
+// RecvStorage when large (resident already, see recv_storage.hpp).
 inline Message allocate_message(const FrameHeader& header) {
   Message message;
   message.type = header.type;
@@ -307,7 +309,9 @@ inline Message allocate_message(const FrameHeader& header) {
   message.payload.resize(static_cast<std::size_t>(header.payload_bytes));
   message.buffers.reserve(header.buffer_bytes.size());
   for (std::uint64_t n : header.buffer_bytes) {
-    message.buffers.push_back(at::empty({static_cast<std::int64_t>(n)}, at::kByte));
+    message.buffers.push_back(n >= kRecvPooledBytes
+                                  ? RecvStorage::instance().empty_bytes(static_cast<std::size_t>(n))
+                                  : at::empty({static_cast<std::int64_t>(n)}, at::kByte));
   }
   return message;
 }

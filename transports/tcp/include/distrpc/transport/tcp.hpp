@@ -74,6 +74,7 @@
 #include "distrpc/log.hpp"
 #include "distrpc/net/dial.hpp"
 #include "distrpc/net/errno_text.hpp"
+#include "distrpc/net/handoff.hpp"
 #include "distrpc/net/fd.hpp"
 #include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
@@ -1199,11 +1200,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // give the connection back to the epoll set, then run what on_message handed back (a reading
   // thread) or queue it (a caller in progress(): it never runs other calls' handlers).
   void on_readable(const std::shared_ptr<Connection>& c, bool run_inline = true) {
+    net::handoff_acquire(c.get());  // from the thread that re-armed it (net/handoff.hpp)
     InlineScope inline_scope;
     if (!drain(c, inline_scope)) return;  // lost: the scope queues a handed-back task
     epoll_event ev{};
     ev.events = kReadEvents;
     ev.data.u64 = c->token;
+    net::handoff_release(c.get());
     if (::epoll_ctl(epfd_, EPOLL_CTL_MOD, c->fd, &ev) < 0) {
       if (!stopping_.load()) lose(c, "cannot watch the socket again: " + errno_text(errno));
       return;
@@ -1403,10 +1406,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       throw DistNetworkError("cannot allocate " + std::to_string(c.body_total) + " bytes for a " +
                              wire::to_string(h.type) + " frame");
     }
-    for (std::size_t i = 0; i < segment_count(c); ++i) {
-      auto [ptr, len] = segment(c, i);
-      prefault(ptr, len);
-    }
+    // The buffers come resident (wire::RecvStorage); a large payload string does not.
+    prefault(c.msg.payload.data(), c.msg.payload.size());
     c.in_body = true;
     c.seg = 0;
     c.seg_off = 0;
