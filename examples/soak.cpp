@@ -5,12 +5,14 @@
 // resident memory at start, after warm-up and at the end. Exits 1 when a rule is broken.
 //
 //   build/examples/soak [--transport tcp|shm|auto] [--workers 4] [--seconds 20] [--inflight 1000]
-//                       [--kill-every-ms 4000] [--max-growth-pct 5]
+//                       [--kill-every-ms 4000] [--spare 1] [--max-growth-pct 5]
 //
 // The launcher is this binary without --role: it starts the workers itself (posix_spawn of
 // /proc/self/exe, never fork()), because a launcher that stops the group when one member dies
 // (launch_local) is what a soak must not have. The group meets through a file:// store, so no
-// worker is special and any of them may be killed.
+// worker is special: any of them may be killed, except the first --spare ones (1 by default),
+// which live through the whole run, so that memory is watched in a process whose peers die and
+// are replaced around it (where state kept per peer would pile up).
 #include <malloc.h>
 #include <signal.h>
 #include <spawn.h>
@@ -95,6 +97,13 @@ std::int64_t heap_in_use_kb() {
   return static_cast<std::int64_t>((mi.uordblks + mi.hblkhd) / 1024);
 }
 
+// What the received-buffer cache holds (resident, reused by the next large message: bounded,
+// docs/transports.md "Received buffers").
+std::int64_t recv_cache_kb() {
+  return static_cast<std::int64_t>(distrpc::wire::RecvStorage::instance().stats().cached_bytes /
+                                   1024);
+}
+
 std::string json_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
@@ -126,6 +135,7 @@ struct Args {
   int seconds = 20;
   int inflight = 1000;
   int kill_every_ms = 4000;
+  int spare = 1;  // the first `spare` workers are never killed: they watch memory all along
   double max_growth_pct = 5.0;
   // Workers only.
   std::string name;
@@ -156,6 +166,8 @@ Args parse(int argc, char** argv) {
       a.inflight = std::stoi(next());
     } else if (k == "--kill-every-ms") {
       a.kill_every_ms = std::stoi(next());
+    } else if (k == "--spare") {
+      a.spare = std::stoi(next());
     } else if (k == "--max-growth-pct") {
       a.max_growth_pct = std::stod(next());
     } else if (k == "--name") {
@@ -186,6 +198,9 @@ Args parse(int argc, char** argv) {
     throw std::invalid_argument("--inflight must be in 1..100000");
   }
   if (a.kill_every_ms < 0) throw std::invalid_argument("--kill-every-ms must be >= 0 (0: none)");
+  if (a.spare < 0 || a.spare >= a.workers) {
+    throw std::invalid_argument("--spare must be in 0..workers-1 (at least one worker is killed)");
+  }
   return a;
 }
 
@@ -252,11 +267,16 @@ int run_worker(const Args& a) {
   const at::Tensor mib = at::ones({256 * 1024});  // 1 MiB of float
   std::vector<std::string> peers;
   auto refresh = Clock::now() - std::chrono::seconds(1);
-  // RSS after warm-up: at the group's warm-up point, or 3 s after this worker joined when it is a
-  // late replacement; none (0) when that comes too close to the end to mean anything.
-  const std::int64_t warm_at = std::max(a.warm_ms, now_epoch_ms() + 3000);
-  const bool measure_growth = warm_at < a.until_ms - 2000;
-  std::int64_t rss_warm = 0, heap_warm = 0;
+  // RSS after warm-up: at the group's warm-up point, or later for a replacement (below); none (0)
+  // when the window left after it is too short to mean anything.
+  // A replacement warms up for a tenth of the run (at least 3 s): its pools, connections and
+  // buffers grow to their working size first. Growth is judged only over a window of at least a
+  // quarter of the run: over a few seconds it says nothing about a leak.
+  const std::int64_t run_ms = std::int64_t{a.seconds} * 1000;
+  const std::int64_t warm_at =
+      std::max(a.warm_ms, now_epoch_ms() + std::max<std::int64_t>(3000, run_ms / 10));
+  const bool measure_growth = warm_at <= a.until_ms - std::max<std::int64_t>(2000, run_ms / 4);
+  std::int64_t rss_warm = 0, heap_warm = 0, cache_warm = 0;
   std::int64_t seq = 0;
   // RRefs are held a while after their creation is confirmed, then dropped (a delete message).
   std::deque<distrpc::RRef<at::Tensor>> held;
@@ -265,6 +285,7 @@ int run_worker(const Args& a) {
     if (measure_growth && rss_warm == 0 && now_epoch_ms() >= warm_at) {
       rss_warm = rss_kb();
       heap_warm = heap_in_use_kb();
+      cache_warm = recv_cache_kb();
     }
     if (Clock::now() - refresh > milliseconds(100)) {
       peers.clear();
@@ -365,6 +386,7 @@ int run_worker(const Args& a) {
   }
   const std::int64_t rss_end = rss_kb();
   const std::int64_t heap_end = heap_in_use_kb();
+  const std::int64_t cache_end = recv_cache_kb();
   // Stay a member until every current member has drained, so nobody's calls fail because a
   // healthy worker left at the end; then until the RRefs this worker owns were released by their
   // users (they dropped theirs before draining), so no member leaves while another still holds
@@ -405,7 +427,8 @@ int run_worker(const Args& a) {
       << ",\"rref\":" << counts->rrefs.load() << ",\"nested\":" << counts->nested.load()
       << ",\"rss_start_kb\":" << rss_start << ",\"rss_warm_kb\":" << rss_warm
       << ",\"rss_end_kb\":" << rss_end << ",\"heap_warm_kb\":" << heap_warm
-      << ",\"heap_end_kb\":" << heap_end << ",\"owned_rrefs_at_end\":" << owned_left
+      << ",\"heap_end_kb\":" << heap_end << ",\"recv_cache_warm_kb\":" << cache_warm
+      << ",\"recv_cache_end_kb\":" << cache_end << ",\"owned_rrefs_at_end\":" << owned_left
       << ",\"failed_by\":{";
     bool first = true;
     for (const auto& [who, n] : counts->failed_by_target) {
@@ -514,7 +537,8 @@ int run_launcher(const Args& a) {
       std::this_thread::sleep_for(milliseconds(20));
     }
     if (now_epoch_ms() >= chaos_end) break;
-    Child& victim = kids[rng() % kids.size()];
+    Child& victim = kids[static_cast<std::size_t>(a.spare) +
+                         rng() % (kids.size() - static_cast<std::size_t>(a.spare))];
     ::kill(victim.pid, SIGKILL);
     int status = 0;
     ::waitpid(victim.pid, &status, 0);
@@ -589,8 +613,9 @@ int run_launcher(const Args& a) {
                   replacements == kills && max_growth < a.max_growth_pct;
   std::ostringstream j;
   j << "{\"bench\":\"soak\",\"transport\":\"" << a.transport << "\",\"workers\":" << a.workers
-    << ",\"seconds\":" << a.seconds << ",\"inflight_per_worker\":" << a.inflight
-    << ",\"kills\":" << kills << ",\"replacements\":" << replacements << ",\"issued\":" << issued
+    << ",\"seconds\":" << a.seconds << ",\"spared\":" << a.spare
+    << ",\"inflight_per_worker\":" << a.inflight << ",\"kills\":" << kills
+    << ",\"replacements\":" << replacements << ",\"issued\":" << issued
     << ",\"completed\":" << completed << ",\"failed\":" << failed
     << ",\"failed_unnamed\":" << unnamed << ",\"wrong_values\":" << wrong << ",\"lost\":" << lost
     << ",\"hangs\":" << hangs << ",\"bad_exits\":" << bad_exits

@@ -100,12 +100,11 @@ if [ "${DISTRPC_SANITIZE:-1}" != "0" ]; then
   fi
 fi
 
-# ThreadSanitizer build (opt-in: DISTRPC_TSAN=1). test_core only, configured without libtorch:
-# libtorch is not built with -fsanitize=thread, so a binary using it would report races on
-# synchronization TSan cannot see (false reports); test_core holds what runs without it (stores
-# and rendezvous, futures, thread pools, the group protocol's decisions, the transports'
-# connection layer, the launcher). Reports make the binary exit non-zero (a failure); known false
-# positives are suppressed, each with its reason, in tests/tsan.supp. GCC warns (-Wtsan) that
+# ThreadSanitizer builds (opt-in: DISTRPC_TSAN=1). First test_core configured without libtorch
+# (stores and rendezvous, futures, thread pools, the group protocol's decisions, the transports'
+# connection layer, the launcher), then test_wire and test_rpc on libtorch (below). Reports make
+# a binary exit non-zero (a failure); known false positives are suppressed, each with its reason,
+# in tests/tsan.supp. GCC warns (-Wtsan) that
 # TSan does not model the atomic_thread_fence of asio's fenced blocks (the store server's
 # io_context); asio orders those handlers with its own mutex too, so the warning is off for this
 # build only.

@@ -186,7 +186,8 @@ TEST_CASE("wire: large received buffers come resident from RecvStorage and are r
     CHECK(pool.stats().reused == 0);
     CHECK(pool.stats().cached_blocks == 1);
   }
-  SUBCASE("the cache keeps at most its limit: the oldest blocks leave, a larger one is never kept") {
+  SUBCASE(
+      "the cache keeps at most its limit: the oldest blocks leave, a larger one is never kept") {
     std::vector<at::Tensor> held;
     for (int i = 0; i < 3; ++i) held.push_back(pool.empty_bytes(3 * MiB));
     held.clear();  // 9 MiB freed into an 8 MiB cache

@@ -28,8 +28,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <iterator>
+#include <mutex>
 #include <new>
 #include <utility>
 
@@ -147,7 +147,8 @@ class RecvStorage final : public c10::Allocator {
   Block* map_block(std::size_t n) const {
     const std::size_t page = page_size();
     const bool huge = n >= 2 * kHuge;
-    const std::size_t capacity = huge ? (n + kHuge - 1) / kHuge * kHuge : (n + page - 1) / page * page;
+    const std::size_t capacity =
+        huge ? (n + kHuge - 1) / kHuge * kHuge : (n + page - 1) / page * page;
     const std::size_t span = huge ? capacity + kHuge : capacity;
     void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) throw std::bad_alloc();
