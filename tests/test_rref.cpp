@@ -160,10 +160,17 @@ Link forward_chain(int dst, int world, RRef<at::Tensor> rref, int ttl) {
   return Link{{}, rref.to_here()};
 }
 
-// Objects behind RRefs, used through proxies.
+// Objects behind RRefs, used through proxies. Calls on an owned object run on the owner's pool
+// threads, concurrently when they overlap (a slow_get whose caller timed out still runs while the
+// caller's next call arrives), as in PyTorch: the object guards its own state, here an atomic.
 struct MyClass {
   explicit MyClass(int v = 0) : value(v) {}
-  int value;
+  MyClass(const MyClass& other) : value(other.value.load()) {}
+  MyClass& operator=(const MyClass& other) {
+    value = other.value.load();
+    return *this;
+  }
+  std::atomic<int> value;
   void increment_value(int by) { value += by; }
   int get_value() const { return value; }
   int slow_get(int ms) const {
@@ -369,7 +376,7 @@ DISTRPC_MP_TEST("rref: world size 1: remote to self in every mode, proxies to se
   obj.rpc_sync<&MyClass::increment_value>(1);
   CHECK(obj.rpc_async<&MyClass::get_value>().value() == 6);
   CHECK(obj.remote<&MyClass::get_value>().to_here() == 6);
-  CHECK(obj.local_value().value == 6);
+  CHECK(obj.local_value().value.load() == 6);
   CHECK(owners_and_forks(0, 0));
   distrpc::shutdown();
 }
@@ -482,7 +489,7 @@ DISTRPC_MP_TEST("rref: RRef<void> from proxies of methods returning void, typed 
   auto local_done = local.remote<&MyClass::increment_value>(4);
   CHECK(local_done.is_owner());
   local_done.to_here();
-  CHECK(local.local_value().value == 5);
+  CHECK(local.local_value().value.load() == 5);
   CHECK_NOTHROW(distrpc::shutdown());
 }
 
