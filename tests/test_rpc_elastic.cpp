@@ -292,7 +292,11 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
   for (int r = 0; r < 3; ++r) {
     if (r != ctx.rank) CHECK(distrpc::rpc_sync<&plus>(r, 0, r) == r);
   }
+  ctx.publish("called" + std::to_string(ctx.rank), "1");
   if (ctx.rank == 2) {
+    // Not before worker0 and worker1 made their calls to it (worker1 may make its RRef first).
+    (void)ctx.lookup("called0", 60s);
+    (void)ctx.lookup("called1", 60s);
     (void)ctx.lookup("rref_made", 60s);
     ctx.publish("killed2", "now");
     ::kill(::getpid(), SIGKILL);
