@@ -109,10 +109,11 @@ fi
 # io_context); asio orders those handlers with its own mutex too, so the warning is off for this
 # build only.
 if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
+  tsan_options="suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1:history_size=4"
   echo "== thread sanitizer build (thread, test_core without libtorch)"
   if DISTRPC_CPP_ARGS=-Wno-tsan DISTRPC_TARGETS="tests/test_core" distrpc_build build-tsan -Dtorch=disabled -Dexamples=false \
        -Db_sanitize=thread -Db_lundef=false -Doptimization=1 >"$logdir/tsan-build.log" 2>&1; then
-    TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1:history_size=4" \
+    TSAN_OPTIONS="$tsan_options" \
       run_suites build-tsan "tsan:"
   else
     failed=$((failed + 1)); echo "   thread sanitizer build FAILED"; tail -50 "$logdir/tsan-build.log"
@@ -127,7 +128,7 @@ if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
        distrpc_build build-tsan-torch -Dexamples=false -Db_sanitize=thread -Db_lundef=false \
        -Doptimization=1 >"$logdir/tsan-torch-build.log" 2>&1; then
     transports="${DISTRPC_TSAN_TRANSPORTS:-tcp shm}" \
-      TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1:history_size=4" \
+      TSAN_OPTIONS="$tsan_options" \
       run_suites build-tsan-torch "tsan:"
   else
     failed=$((failed + 1)); echo "   thread sanitizer build FAILED"; tail -50 "$logdir/tsan-torch-build.log"
