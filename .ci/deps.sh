@@ -27,12 +27,31 @@ distrpc_install_deps() {
 # The scripted builds keep line tables only (-g1: file:line in sanitizer reports and backtraces):
 # full debug info of libtorch-heavy translation units costs about a third of the build time.
 # Extra compiler flags go in DISTRPC_CPP_ARGS (space-separated, as Meson splits a -Dcpp_args value).
-distrpc_build() {
+distrpc_configure() {
   local dir="$1"; shift
   if [ ! -f "$dir/build.ninja" ]; then
     meson setup "$dir" -Ddebug=false "-Dcpp_args=-g1${DISTRPC_CPP_ARGS:+ $DISTRPC_CPP_ARGS}" "$@" ||
       return 1
   fi
+}
+
+# distrpc_test_targets DIR: the ninja targets tests/run.sh needs from a configured build: every
+# target under tests/, distrpc-run and the soak example (space-separated, relative to DIR).
+distrpc_test_targets() {
+  meson introspect --targets "$1" | python3 -c '
+import json, os, sys
+root = os.path.realpath(sys.argv[1])
+for t in json.load(sys.stdin):
+    for f in t["filename"]:
+        rel = os.path.relpath(os.path.realpath(f), root)
+        if rel.startswith("tests/") or rel in ("distrpc-run", "examples/soak"):
+            print(rel)
+' "$1" | tr '\n' ' '
+}
+
+distrpc_build() {
+  local dir="$1"; shift
+  distrpc_configure "$dir" "$@" || return 1
   # Two cores and ~1 GiB per libtorch translation unit: -j2 keeps memory and time predictable.
   # DISTRPC_TARGETS (space-separated) builds only those targets.
   # shellcheck disable=SC2086
