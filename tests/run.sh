@@ -47,7 +47,8 @@ run_suite() {
   fi
 }
 
-# The RPC suite runs once per transport policy, so a transport cannot pass by being untested.
+# The RPC suite runs on every transport policy (whole on the first, its transport-relevant cases on
+# the others), so a transport cannot pass by being untested.
 transports="${DISTRPC_TEST_TRANSPORTS:-tcp shm auto}"
 
 # run_suites DIR PREFIX: every test binary of a build directory (the RPC one per transport).
