@@ -6,40 +6,62 @@
 #  3. against the same installed prefix as a CMake project (tests/consumer/CMakeLists.txt:
 #     find_package(distrpc) and the distrpc::tcp target);
 # and runs the installed distrpc-run launcher. The three builds are unoptimized and without debug
-# information: what they check is that the flags each way gives compile, link and run.
+# information, and run side by side: what they check is that the flags each way gives compile,
+# link and run.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 expected="consumer: sum=168 keys=1 rank1=0"
 
-echo "-- as a Meson subproject"
+# The three builds are one translation unit each: they run side by side, then each program runs.
+# build NAME COMMAND...: in the background, output kept in $work/NAME.log.
+build() {
+  local name="$1"; shift
+  ( "$@" >"$work/$name.log" 2>&1; echo $? >"$work/$name.rc" ) &
+}
+# built NAME: the build's status; its output when it failed.
+built() {
+  wait
+  if [ "$(cat "$work/$1.rc")" != 0 ]; then
+    echo "the $1 build failed:"; tail -40 "$work/$1.log"; return 1
+  fi
+}
+
 mkdir -p "$work/sub/subprojects"
 cp "$repo/tests/consumer/meson.build" "$repo/tests/consumer/consumer.cpp" "$work/sub/"
 ln -s "$repo" "$work/sub/subprojects/distrpc"
 meson setup "$work/sub/build" "$work/sub" -Dbuildtype=plain >/dev/null
-ninja -C "$work/sub/build" -j "${DISTRPC_JOBS:-2}" >/dev/null
-out=$(timeout 180 "$work/sub/build/consumer")
-echo "$out"
-[ "$out" = "$expected" ]
+build subproject ninja -C "$work/sub/build" -j 1
 
-echo "-- installed, through pkg-config"
 meson setup "$work/install-build" "$repo" --prefix="$work/prefix" -Dtests=false \
   -Dexamples=false >/dev/null
 meson install -C "$work/install-build" >/dev/null
 pc_dir=$(dirname "$(find "$work/prefix" -name distrpc.pc | head -1)")
 flags=$(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs distrpc)
-echo "pkg-config --cflags --libs distrpc: $flags"
 # shellcheck disable=SC2086
-${CXX:-c++} -Wall -Wextra -Werror "$repo/tests/consumer/consumer.cpp" $flags -o "$work/consumer-pc"
+build pkg-config ${CXX:-c++} -Wall -Wextra -Werror "$repo/tests/consumer/consumer.cpp" $flags \
+  -o "$work/consumer-pc"
+
+cmake -S "$repo/tests/consumer" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_BUILD_TYPE= >/dev/null
+build cmake cmake --build "$work/cmake-build" -j 1
+
+echo "-- as a Meson subproject"
+built subproject
+out=$(timeout 180 "$work/sub/build/consumer")
+echo "$out"
+[ "$out" = "$expected" ]
+
+echo "-- installed, through pkg-config"
+echo "pkg-config --cflags --libs distrpc: $flags"
+built pkg-config
 out=$(timeout 180 "$work/consumer-pc")
 echo "$out"
 [ "$out" = "$expected" ]
 
 echo "-- installed, through CMake's find_package(distrpc)"
-cmake -S "$repo/tests/consumer" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
-  -DCMAKE_BUILD_TYPE= >/dev/null
-cmake --build "$work/cmake-build" -j "${DISTRPC_JOBS:-2}" >/dev/null
+built cmake
 out=$(timeout 180 "$work/cmake-build/consumer")
 echo "$out"
 [ "$out" = "$expected" ]

@@ -9,15 +9,18 @@
 #include <distrpc/log.hpp>
 #include <distrpc/store/detail/tcp_store_server.hpp>
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -30,6 +33,11 @@ void fail(const char* what) {
   std::abort();
 }
 
+void fail_errno(const char* what) {
+  std::fprintf(stderr, "fuzz_store: %s: %s\n", what, std::strerror(errno));
+  std::abort();
+}
+
 // Sends `data` and reads replies until the server closes the connection.
 void converse(std::uint16_t port, const std::uint8_t* data, std::size_t size) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -38,8 +46,22 @@ void converse(std::uint16_t port, const std::uint8_t* data, std::size_t size) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  // Non-blocking from the start: libFuzzer's -timeout arms a SIGALRM (every timeout/2 + 1 s)
+  // whose handler is installed without SA_RESTART, and a blocking connect() it interrupts fails
+  // with EINTR while the connection goes on being made. Waiting with poll() survives that.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
-    fail("connect() to the store server failed");
+    if (errno != EINPROGRESS && errno != EINTR) fail_errno("connect() to the store server failed");
+    pollfd w{fd, POLLOUT, 0};
+    while (::poll(&w, 1, 10000) < 0 && errno == EINTR) {
+    }
+    int error = 0;
+    socklen_t len = sizeof error;
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
+    if (!(w.revents & POLLOUT) || error != 0) {
+      errno = error != 0 ? error : ETIMEDOUT;
+      fail_errno("connect() to the store server failed");
+    }
   }
   // Closed with a reset: thousands of connections a second must not leave TIME_WAIT behind.
   const linger reset{1, 0};

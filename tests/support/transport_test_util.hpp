@@ -251,6 +251,7 @@ void handed_back_task_scenario() {
       cv.notify_all();
       if (blocks) cv.wait(lk, [&] { return release; });
       --inline_now;
+      cv.notify_all();  // the test waits for inline_now == 0
     };
     log.offer_or_queue(id, std::move(task));
   };
