@@ -19,6 +19,18 @@ passed=0
 failed=0
 logdir=$(mktemp -d)
 
+# add_tally LOG: adds the counts of a stage whose last line is "N passed, M failed" (any other
+# last line, e.g. the stage died, is one failure); the stage's failures are left in $stage_failed.
+add_tally() {
+  local last p f
+  last=$(tail -1 "$1")
+  p=$(echo "$last" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\1/p')
+  f=$(echo "$last" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\2/p')
+  if [ -z "$p" ]; then p=0; f=1; fi
+  passed=$((passed + p)); failed=$((failed + f)); stage_failed=$f
+  echo "   $last"
+}
+
 # run_suite NAME CMD...: runs a doctest binary under a wall-clock limit and adds its counts.
 run_suite() {
   local name="$1"; shift
@@ -164,14 +176,9 @@ fi
 if [ "${DISTRPC_FUZZ:-1}" != "0" ]; then
   echo "== fuzzing (libFuzzer: tests/fuzz/run.sh)"
   bash tests/fuzz/run.sh >"$logdir/fuzz.log" 2>&1
-  fz=$(tail -1 "$logdir/fuzz.log")
-  fp_=$(echo "$fz" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\1/p')
-  ff_=$(echo "$fz" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\2/p')
-  if [ -z "$fp_" ]; then fp_=0; ff_=1; fi
-  passed=$((passed + fp_)); failed=$((failed + ff_))
   grep -E '^fuzz_[a-z_]+: ' "$logdir/fuzz.log" | sed 's/^/   /'
-  echo "   $fz"
-  if [ "$ff_" -ne 0 ]; then
+  add_tally "$logdir/fuzz.log"
+  if [ "$stage_failed" -ne 0 ]; then
     echo "---- fuzzing output (last 150 lines) ----"
     tail -150 "$logdir/fuzz.log"
     echo "---- end of fuzzing output ----"
@@ -180,13 +187,8 @@ fi
 
 echo "== compile-only checks (a wrong remote call must not compile, with a readable message; every example compiles: tests/syntax/check.sh)"
 if bash tests/syntax/check.sh >"$logdir/syntax.log" 2>&1; then :; fi
-cf=$(tail -1 "$logdir/syntax.log")
-cp_=$(echo "$cf" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\1/p')
-cf_=$(echo "$cf" | sed -nE 's/^([0-9]+) passed, ([0-9]+) failed$/\2/p')
-if [ -z "$cp_" ]; then cp_=0; cf_=1; fi
-passed=$((passed + cp_)); failed=$((failed + cf_))
-echo "   $cf"
-[ "$cf_" -eq 0 ] || cat "$logdir/syntax.log"
+add_tally "$logdir/syntax.log"
+[ "$stage_failed" -eq 0 ] || cat "$logdir/syntax.log"
 
 echo "== layering (a header includes only its own layer and those below: docs/architecture.md)"
 if bash tests/layering/check.sh >"$logdir/layering.log" 2>&1; then
