@@ -1063,7 +1063,13 @@ DISTRPC_MP_TEST("rref: deletes of dropped user RRefs go in batches, and soon", 2
     CHECK(counter("num_user_deletes_sent") - sent0 == 300);
     const int messages = counter("num_user_delete_messages") - messages0;
     CHECK(messages >= 2);
+#if defined(__SANITIZE_THREAD__)
+    // Under ThreadSanitizer clear() itself outlasts the delay: the last 44 leave in a few more
+    // (still batched) messages. Measured: 7.
+    CHECK(messages <= 12);
+#else
     CHECK(messages <= 4);
+#endif
     ctx.publish("dropped", "1");
     (void)ctx.lookup("freed");
     // A lone dropped RRef is not kept waiting for company: its owner frees it within the delay.
