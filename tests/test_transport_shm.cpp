@@ -32,6 +32,7 @@
 
 #include <doctest/doctest.h>
 
+#include "distrpc/net/handoff.hpp"
 #include "distrpc/transport/auto.hpp"
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"
@@ -39,7 +40,7 @@
 #include "multiprocess.hpp"
 #include "support/transport_test_util.hpp"
 
-#if defined(__SANITIZE_THREAD__)
+#ifdef DISTRPC_UNDER_TSAN  // net/handoff.hpp's detection of a ThreadSanitizer build
 // ThreadSanitizer's own entry points (libtsan): accesses made between them are not recorded.
 extern "C" void __tsan_ignore_thread_begin();
 extern "C" void __tsan_ignore_thread_end();
@@ -50,12 +51,12 @@ namespace {
 // Writes over shared memory as another process would: ThreadSanitizer sees one process, so the
 // peer's reads of a page this test thread garbles on purpose would be reported as a race.
 void garble_as_another_process(void* at, std::size_t size) {
-#if defined(__SANITIZE_THREAD__)
+#ifdef DISTRPC_UNDER_TSAN
   __tsan_ignore_thread_begin();
-#endif
   std::memset(at, 0x5a, size);
-#if defined(__SANITIZE_THREAD__)
   __tsan_ignore_thread_end();
+#else
+  std::memset(at, 0x5a, size);
 #endif
 }
 
