@@ -5,11 +5,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source .ci/deps.sh
 
+# header TEXT: a stage's title with the time since the start (minutes:seconds), so a log shows
+# where the run's time goes.
+header() { printf '== %s  [%d:%02d]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
+
 distrpc_install_deps || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
 # The test binaries, the programs the checks below run, and the soak; the other examples are
 # compiled by the examples check below (syntax only, against one shared precompiled header: a
 # full build of every example would cost about 13 more minutes on 2 cores) and built for real
 # by examples/run.sh. DISTRPC_ALL_EXAMPLES=1 builds every example here as well.
+header "main build (test programs, the programs the checks run, the soak)"
 distrpc_configure build || { echo "configure failed"; echo "0 passed, 1 failed"; exit 1; }
 targets=""  # empty: everything
 [ "${DISTRPC_ALL_EXAMPLES:-0}" = "1" ] || targets=$(distrpc_test_targets build)
@@ -35,7 +40,7 @@ add_tally() {
 run_suite() {
   local name="$1"; shift
   local log="$logdir/${name//:/_}.log"
-  echo "== $name"
+  header "$name"
   local start=$SECONDS
   timeout --kill-after=10 "${DISTRPC_SUITE_LIMIT:-1500}" "$@" >"$log" 2>&1
   local rc=$?
@@ -100,7 +105,7 @@ run_suites build ""
 
 # Without libtorch (-Dtorch=disabled): what a program that only rendezvous or launches builds on,
 # the store layer, launch_local and distrpc-run, with test_core (no libtorch header: quick).
-echo "== build without libtorch (-Dtorch=disabled)"
+header "build without libtorch (-Dtorch=disabled)"
 if DISTRPC_TARGETS="tests/test_core" distrpc_build build-notorch -Dtorch=disabled \
      -Dexamples=false >"$logdir/notorch-build.log" 2>&1; then
   run_suites build-notorch "notorch:"
@@ -119,7 +124,7 @@ fi
 # gives false positives on sanitizer-instrumented code (inside libtorch's intrusive_ptr): it is off
 # for this build only.
 if [ "${DISTRPC_SANITIZE:-1}" != "0" ]; then
-  echo "== sanitizer build (address,undefined)"
+  header "sanitizer build (address,undefined)"
   asan_targets=(tests/test_core tests/test_wire)
   [ -n "${DISTRPC_ASAN_RPC:-}" ] && asan_targets+=(tests/test_rpc)
   if DISTRPC_CPP_ARGS=-Wno-maybe-uninitialized DISTRPC_TARGETS="${asan_targets[*]}" \
@@ -143,7 +148,7 @@ fi
 # build only.
 if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
   tsan_options="suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1:history_size=4"
-  echo "== thread sanitizer build (thread, test_core without libtorch)"
+  header "thread sanitizer build (thread, test_core without libtorch)"
   if DISTRPC_CPP_ARGS=-Wno-tsan DISTRPC_TARGETS="tests/test_core" distrpc_build build-tsan -Dtorch=disabled -Dexamples=false \
        -Db_sanitize=thread -Db_lundef=false -Doptimization=1 >"$logdir/tsan-build.log" 2>&1; then
     TSAN_OPTIONS="$tsan_options" \
@@ -156,7 +161,7 @@ if [ "${DISTRPC_TSAN:-0}" = "1" ]; then
   # own code (kernels, refcounts dropped there, its allocator) is invisible to TSan, so
   # tests/tsan.supp ignores the interceptors called from its libraries and reports whose every
   # frame is there; a race in our code, which is instrumented, is still reported.
-  echo "== thread sanitizer build (thread, test_wire and test_rpc on libtorch)"
+  header "thread sanitizer build (thread, test_wire and test_rpc on libtorch)"
   if DISTRPC_CPP_ARGS=-Wno-tsan DISTRPC_TARGETS="tests/test_wire tests/test_rpc" \
        distrpc_build build-tsan-torch -Dexamples=false -Db_sanitize=thread -Db_lundef=false \
        -Doptimization=1 >"$logdir/tsan-torch-build.log" 2>&1; then
@@ -172,9 +177,10 @@ fi
 # sends: frames, the handshake, tensors, IValues, message payloads, TCPStore requests and the
 # shared-memory ring's header, records and segments (tests/fuzz/run.sh: its own build in
 # build-fuzz, regression inputs replayed first, then DISTRPC_FUZZ_SECONDS per target, 15 by
-# default: about 3 minutes in all). One pass or fail per target. DISTRPC_FUZZ=0 skips it.
+# default, two targets at a time: under 2 minutes in all). One pass or fail per target.
+# DISTRPC_FUZZ=0 skips it.
 if [ "${DISTRPC_FUZZ:-1}" != "0" ]; then
-  echo "== fuzzing (libFuzzer: tests/fuzz/run.sh)"
+  header "fuzzing (libFuzzer: tests/fuzz/run.sh)"
   bash tests/fuzz/run.sh >"$logdir/fuzz.log" 2>&1
   grep -E '^fuzz_[a-z_]+: ' "$logdir/fuzz.log" | sed 's/^/   /'
   add_tally "$logdir/fuzz.log"
@@ -185,19 +191,19 @@ if [ "${DISTRPC_FUZZ:-1}" != "0" ]; then
   fi
 fi
 
-echo "== compile-only checks (a wrong remote call must not compile, with a readable message; every example compiles: tests/syntax/check.sh)"
+header "compile-only checks (a wrong remote call must not compile, with a readable message; every example compiles: tests/syntax/check.sh)"
 if bash tests/syntax/check.sh >"$logdir/syntax.log" 2>&1; then :; fi
 add_tally "$logdir/syntax.log"
 [ "$stage_failed" -eq 0 ] || cat "$logdir/syntax.log"
 
-echo "== layering (a header includes only its own layer and those below: docs/architecture.md)"
+header "layering (a header includes only its own layer and those below: docs/architecture.md)"
 if bash tests/layering/check.sh >"$logdir/layering.log" 2>&1; then
   passed=$((passed + 1)); echo "   $(tail -2 "$logdir/layering.log" | head -1)"
 else
   failed=$((failed + 1)); echo "   FAILED"; cat "$logdir/layering.log"
 fi
 
-echo "== two hosts (network namespaces, else extra addresses on lo: tests/hosts/check.sh)"
+header "two hosts (network namespaces, else extra addresses on lo: tests/hosts/check.sh)"
 timeout 300 bash tests/hosts/check.sh build >"$logdir/hosts.log" 2>&1
 rc=$?
 if [ $rc -eq 0 ]; then
@@ -208,21 +214,21 @@ else
   failed=$((failed + 1)); echo "   FAILED"; tail -60 "$logdir/hosts.log"
 fi
 
-echo "== consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config and CMake; the installed distrpc-run)"
+header "consumer (two processes calling each other: distrpc as a Meson subproject, and installed through pkg-config and CMake; the installed distrpc-run)"
 if timeout 900 bash tests/consumer/check.sh >"$logdir/consumer.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else
   failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/consumer.log"
 fi
 
-echo "== torchrun (two distrpc ranks launched by PyTorch's torchrun meet through its agent's TCPStore and call each other)"
+header "torchrun (two distrpc ranks launched by PyTorch's torchrun meet through its agent's TCPStore and call each other)"
 if timeout 600 bash tests/interop/check.sh build >"$logdir/torchrun.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else
   failed=$((failed + 1)); echo "   FAILED"; tail -50 "$logdir/torchrun.log"
 fi
 
-echo "== two binaries (a server and a client built from different sources, through named declarations)"
+header "two binaries (a server and a client built from different sources, through named declarations)"
 if timeout 600 bash tests/two_binaries/check.sh build >"$logdir/two_binaries.log" 2>&1; then
   passed=$((passed + 1)); echo "   ok"
 else
@@ -234,7 +240,7 @@ fi
 # JSON says what each rule measured). DISTRPC_SOAK_SECONDS changes the length.
 if [ -x build/examples/soak ]; then
   for tr in $transports; do
-    echo "== chaos soak [$tr] (4 workers, ${DISTRPC_SOAK_SECONDS:-20} s, kills and replacements)"
+    header "chaos soak [$tr] (4 workers, ${DISTRPC_SOAK_SECONDS:-20} s, kills and replacements)"
     start=$SECONDS
     if timeout 300 build/examples/soak --transport "$tr" --seconds "${DISTRPC_SOAK_SECONDS:-20}" \
          --kill-every-ms 3000 --max-growth-pct "${DISTRPC_SOAK_GROWTH:-15}" \
@@ -252,5 +258,6 @@ if [ -x build/examples/soak ]; then
 fi
 
 rm -rf "$logdir"
+header "end"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -30,6 +30,7 @@
 #include "distrpc/dist/gloo_backend.hpp"
 #endif
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 namespace dist = distrpc::dist;
 namespace ddp = distrpc::ddp;
@@ -136,9 +137,7 @@ std::string what_of(const std::function<void()>& f) {
   return "(no exception)";
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using distrpc::testing::contains;
 
 // ---- The scenarios, each run on one backend.
 

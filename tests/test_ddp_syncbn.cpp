@@ -431,8 +431,8 @@ TEST_CASE("convert_sync_batchnorm: a Sequential's BatchNorm2d and BatchNorm1d") 
 }
 
 namespace {
-struct Net : torch::nn::Module {
-  Net() {
+struct NestedBnNet : torch::nn::Module {
+  NestedBnNet() {
     bn = register_module("bn", torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(2)));
     list = register_module(
         "list", torch::nn::ModuleList(torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 4)));
@@ -450,7 +450,7 @@ struct Net : torch::nn::Module {
 }  // namespace
 
 TEST_CASE("convert_sync_batchnorm: nested modules, containers, a lone layer and bad input") {
-  auto net = std::make_shared<Net>();
+  auto net = std::make_shared<NestedBnNet>();
   net->train(false);
   auto out = distrpc::nn::convert_sync_batchnorm(net);
   CHECK(out == net);

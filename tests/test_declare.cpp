@@ -30,6 +30,12 @@
 #include <distrpc/rref.hpp>
 #include <distrpc/transport/tcp.hpp>
 
+#include "support/error_text.hpp"
+#include "support/fresh_url.hpp"
+
+using distrpc::testing::fresh_file_url;
+using distrpc::testing::thrown_text;
+
 using namespace std::chrono_literals;
 using distrpc::RpcGroup;
 using distrpc::transport::Tcp;
@@ -88,14 +94,6 @@ DISTRPC_EXPOSE(decl_test::mirror, &decl_test::mirror_impl);
 
 namespace {
 
-std::string fresh_url() {
-  static std::atomic<int> n{0};
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("distrpc-declare-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-  std::filesystem::create_directories(dir);
-  return "file://" + (dir / "rendezvous").string();
-}
-
 distrpc::RpcBackendOptions options(const std::string& url, bool exposed_only) {
   distrpc::RpcBackendOptions o;
   o.init_method = url;
@@ -103,16 +101,6 @@ distrpc::RpcBackendOptions options(const std::string& url, bool exposed_only) {
   o.init_timeout = 20s;
   o.serve_exposed_only = exposed_only;
   return o;
-}
-
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -243,12 +231,13 @@ TEST_CASE("declare: a conflict recorded at start-up fails join() with its text")
   CHECK(r->conflicts()[0] == want);
   CHECK_THROWS_WITH_AS(r->check_conflicts(), want.c_str(), std::invalid_argument);
   // Refused before the rendezvous: nothing waits for a peer.
-  CHECK_THROWS_WITH_AS(RpcGroup::join<Tcp>("alone", 0, 1, options(fresh_url(), false), r),
-                       want.c_str(), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(
+      RpcGroup::join<Tcp>("alone", 0, 1, options(fresh_file_url("declare"), false), r),
+      want.c_str(), std::invalid_argument);
 }
 
 TEST_CASE("declare: calls through declarations, on a worker that serves only what it exposes") {
-  const auto url = fresh_url();
+  const auto url = fresh_file_url("declare");
   auto server = std::async(std::launch::async, [&] {
     return RpcGroup::join<Tcp>("server", 0, 2, options(url, /*exposed_only=*/true));
   });
@@ -276,11 +265,11 @@ TEST_CASE("declare: calls through declarations, on a worker that serves only wha
     CHECK(p.y == 1);
   }
   // The same name with another signature: refused on the callee, naming both.
-  CHECK(error_of([&] { (void)client.rpc_sync<decl_test::add_i64>("server", a, 3); }) ==
+  CHECK(thrown_text([&] { (void)client.rpc_sync<decl_test::add_i64>("server", a, 3); }) ==
         "signature mismatch: function 'decl_test.add' has signature Tensor(Tensor, Tensor) on "
         "WorkerInfo(id=0, name=server), but the caller's declaration is Tensor(Tensor, i64)");
   // Declared, exposed nowhere.
-  CHECK(error_of([&] { client.rpc_sync<decl_test::nobody>("server", std::string("x")); }) ==
+  CHECK(thrown_text([&] { client.rpc_sync<decl_test::nobody>("server", std::string("x")); }) ==
         "function 'decl_test.nobody' is not registered on WorkerInfo(id=0, name=server): expose "
         "it there (DISTRPC_EXPOSE(stub, &impl) for a DISTRPC_REMOTE declaration, "
         "DISTRPC_REGISTER(f) for a function called as rpc_sync<&f>) or build both sides from the "

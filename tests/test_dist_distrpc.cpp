@@ -27,6 +27,7 @@
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 using namespace std::chrono_literals;
 using distrpc::DistBackendError;
@@ -68,9 +69,7 @@ std::string error_of(const std::shared_ptr<Work>& w) {
   return "";
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using distrpc::testing::contains;
 
 long long ms_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();

@@ -39,7 +39,7 @@ namespace {
 
 using distrpc::testing::error_text;
 
-bool same(const at::Tensor& a, const at::Tensor& b) {
+bool identical(const at::Tensor& a, const at::Tensor& b) {
   return at::equal(a, b);
 }
 
@@ -352,7 +352,7 @@ TEST_CASE("dist front: ProcessGroup holds ranks, store, name and one backend per
   one.allreduce(t)->wait();
   one.broadcast(t)->wait();
   CHECK(one.sequence_number() == 2);
-  CHECK(same(t[0], at::full({2}, 3.0f)));
+  CHECK(identical(t[0], at::full({2}, 3.0f)));
 }
 
 TEST_CASE("dist front: ProcessGroup refuses bad construction with what was wrong") {
@@ -418,18 +418,18 @@ TEST_CASE("dist front: world of one with the Dummy backend; case-insensitive nam
   auto w = dist::all_reduce(t);
   REQUIRE(w);
   CHECK(w->is_completed());  // blocking: already waited
-  CHECK(same(t, at::ones({2, 2}) * 9));
+  CHECK(identical(t, at::ones({2, 2}) * 9));
   at::Tensor z = at::zeros({2, 2});
   auto aw = dist::broadcast(z, 0, {.async_op = true});
   REQUIRE(aw);
   CHECK(aw->wait());
-  CHECK(same(z, at::ones({2, 2})));
+  CHECK(identical(z, at::ones({2, 2})));
   std::vector<at::Tensor> outs{at::zeros({2, 2})};
   dist::all_gather(outs, t);
-  CHECK(same(outs[0], t));
+  CHECK(identical(outs[0], t));
   at::Tensor rs = at::zeros({2, 2});
   dist::reduce_scatter(rs, {at::ones({2, 2}) * 4});
-  CHECK(same(rs, at::ones({2, 2}) * 4));
+  CHECK(identical(rs, at::ones({2, 2}) * 4));
   dist::barrier();
   CHECK(dist::get_default_group()->sequence_number() == 5);
   CHECK(dist::get_default_group()->name() == "dummy");
@@ -535,9 +535,9 @@ TEST_CASE("dist front: mixed dtypes are refused by every listed collective (scen
   std::vector<at::Tensor> out_complex{at::view_as_complex(at::zeros({2, 2}))};
   CHECK(dist::all_gather(out_real, real));
   CHECK(dist::all_gather(out_complex, real));
-  CHECK(same(at::view_as_real(out_complex[0]).select(1, 0), real));
+  CHECK(identical(at::view_as_real(out_complex[0]).select(1, 0), real));
   CHECK(dist::all_gather(out_complex, complex));
-  CHECK(same(out_complex[0], complex));
+  CHECK(identical(out_complex[0], complex));
   CHECK_NOTHROW(dist::detail::check_same_dtype(out_real, complex));
   CHECK(dist::get_default_group()->sequence_number() == 3);
   CHECK(error_text<E>([&] { dist::all_gather(list_h, complex); }) ==
@@ -815,34 +815,34 @@ DISTRPC_MP_TARGET("dist front target: the Dummy backend over env://") {
   std::vector<at::Tensor> outputs;
   for (int i = 0; i < ctx.world; ++i) outputs.push_back(at::zeros({2, 2}));
   dist::all_gather(outputs, input);
-  for (const at::Tensor& o : outputs) CHECK(same(o, input));
+  for (const at::Tensor& o : outputs) CHECK(identical(o, input));
 
   at::Tensor reduced = at::ones({2, 2}) * 7;
   dist::all_reduce(reduced);
-  CHECK(same(reduced, at::ones({2, 2}) * 7 + 2));
+  CHECK(identical(reduced, at::ones({2, 2}) * 7 + 2));
 
   at::Tensor b = at::zeros({2, 2});
   auto w = dist::broadcast(b, 0, {.async_op = true});
   REQUIRE(w);
   CHECK(w->wait());
-  CHECK(same(b, at::ones({2, 2})));
+  CHECK(identical(b, at::ones({2, 2})));
 
   at::Tensor out = at::zeros({2, 2});
   std::vector<at::Tensor> ins;
   for (int i = 0; i < ctx.world; ++i) ins.push_back(at::ones({2, 2}) * (i + 1));
   dist::reduce_scatter(out, ins);
-  CHECK(same(out, at::ones({2, 2}) * (ctx.rank + 1)));  // input[rank]
+  CHECK(identical(out, at::ones({2, 2}) * (ctx.rank + 1)));  // input[rank]
 
   at::Tensor s = at::zeros({2, 2});
   dist::send(s, (ctx.rank + 1) % ctx.world);
-  CHECK(same(s, at::zeros({2, 2}) + 1));
+  CHECK(identical(s, at::zeros({2, 2}) + 1));
   CHECK(error_text<std::invalid_argument>([&] { dist::send(s, dist::get_rank()); }) ==
         "Invalid destination rank: destination rank should not be the same as the rank of the "
         "current process.");
 
   at::Tensor r = at::zeros({2, 2});
   CHECK(dist::recv(r, (ctx.rank + 1) % ctx.world) == (ctx.rank + 1) % ctx.world);
-  CHECK(same(r, at::zeros({2, 2}) + 2));
+  CHECK(identical(r, at::zeros({2, 2}) + 2));
 
   dist::barrier();
   // all_gather, all_reduce, broadcast, reduce_scatter, send, recv, barrier: +1 each.
@@ -918,8 +918,8 @@ DISTRPC_MP_TEST("dist front: groups, ranks and non-members over file:// (scenari
       CHECK(dist::barrier({.group = even}) == nullptr);
       CHECK(dist::broadcast(x, 0, {.group = even}) == nullptr);
     }
-    CHECK(same(x, at::full({2}, static_cast<float>(rank + 1))));  // untouched
-    CHECK(same(xs[0], at::zeros({2})));
+    CHECK(identical(x, at::full({2}, static_cast<float>(rank + 1))));  // untouched
+    CHECK(identical(xs[0], at::zeros({2})));
     std::vector<std::string> warnings;
     for (const std::string& line : log.lines()) {
       if (line.find("does not belong") != std::string::npos) warnings.push_back(line);
@@ -937,14 +937,14 @@ DISTRPC_MP_TEST("dist front: groups, ranks and non-members over file:// (scenari
   } else {
     CHECK(even->sequence_number() == 0);
     dist::all_gather(xs, x, {.group = even});
-    CHECK(same(xs[0], at::full({2}, 1.0f)));  // global rank 0 contributed 1
-    CHECK(same(xs[1], at::full({2}, 3.0f)));  // global rank 2 contributed 3
+    CHECK(identical(xs[0], at::full({2}, 1.0f)));  // global rank 0 contributed 1
+    CHECK(identical(xs[1], at::full({2}, 3.0f)));  // global rank 2 contributed 3
     dist::all_reduce(x, {.group = even});
-    CHECK(same(x, at::full({2}, 4.0f)));
+    CHECK(identical(x, at::full({2}, 4.0f)));
     dist::barrier({.group = even});
     at::Tensor b = at::full({2}, static_cast<float>(rank));
     dist::broadcast(b, 2, {.group = even});  // src is a global rank
-    CHECK(same(b, at::full({2}, 2.0f)));
+    CHECK(identical(b, at::full({2}, 2.0f)));
     CHECK(even->sequence_number() == 4);  // +1 per collective
     for (const std::string& line : log.lines())
       CHECK(line.find("does not belong") == std::string::npos);
@@ -979,8 +979,8 @@ DISTRPC_MP_TEST("dist front: groups, ranks and non-members over file:// (scenari
       at::Tensor in = at::tensor({pair, rank}, at::kLong) + round * 100;
       std::vector<at::Tensor> got{at::full({2}, -1, at::kLong), at::full({2}, -1, at::kLong)};
       dist::all_gather(got, in, {.group = g});
-      CHECK(same(got[0], at::tensor({pair, members[0]}, at::kLong) + round * 100));
-      CHECK(same(got[1], at::tensor({pair, members[1]}, at::kLong) + round * 100));
+      CHECK(identical(got[0], at::tensor({pair, members[0]}, at::kLong) + round * 100));
+      CHECK(identical(got[1], at::tensor({pair, members[1]}, at::kLong) + round * 100));
     }
   }
   CHECK(first->sequence_number() == 4);
@@ -1016,7 +1016,7 @@ DISTRPC_MP_TARGET("dist front target: objects, then exit without destroy") {
   REQUIRE(tensors.size() == 3u);
   for (int r = 0; r < 3; ++r) {
     REQUIRE(tensors[static_cast<std::size_t>(r)].size() == static_cast<std::size_t>(r + 1));
-    CHECK(same(tensors[static_cast<std::size_t>(r)].back(), at::full({r + 1}, r, at::kLong)));
+    CHECK(identical(tensors[static_cast<std::size_t>(r)].back(), at::full({r + 1}, r, at::kLong)));
   }
 
   std::vector<std::string> objects;
@@ -1027,8 +1027,8 @@ DISTRPC_MP_TARGET("dist front target: objects, then exit without destroy") {
   // all_reduce_coalesced: every tensor reduced (PyTorch's _test_allreduce_coalesced).
   std::vector<at::Tensor> many{at::ones({10, 10}), at::ones({3}) * (ctx.rank + 1)};
   dist::all_reduce_coalesced(many, {.op = dist::ReduceOp::SUM});
-  CHECK(same(many[0], at::ones({10, 10}) * 3));
-  CHECK(same(many[1], at::ones({3}) * 6));
+  CHECK(identical(many[0], at::ones({10, 10}) * 3));
+  CHECK(identical(many[1], at::ones({3}) * 6));
 
   // Point to point around the ring, with tags kept apart, blocking and not.
   const int next = (ctx.rank + 1) % 3;
@@ -1045,8 +1045,8 @@ DISTRPC_MP_TARGET("dist front target: objects, then exit without destroy") {
   auto pending = dist::irecv(got_b, prev, {.tag = 7});
   REQUIRE(pending);
   CHECK(pending->wait());
-  CHECK(same(got_a, at::full({2}, prev * 1.0f)));
-  CHECK(same(got_b, at::full({2}, prev * 10.0f)));
+  CHECK(identical(got_a, at::full({2}, prev * 1.0f)));
+  CHECK(identical(got_b, at::full({2}, prev * 10.0f)));
   // From any source: ranks 1 and 2 send to 0, which learns who sent what.
   if (ctx.rank == 0) {
     std::set<int> sources;
@@ -1089,7 +1089,7 @@ DISTRPC_MP_TARGET("dist front target: init, destroy, init again") {
                            milliseconds(30000));
   at::Tensor t = at::full({3}, static_cast<float>(ctx.rank + 1));
   dist::all_reduce(t, {.op = dist::ReduceOp::MAX});
-  CHECK(same(t, at::full({3}, 2.0f)));
+  CHECK(identical(t, at::full({3}, 2.0f)));
   auto sub = dist::new_group();
   REQUIRE(sub);
   CHECK(sub->group_name() == "group1");
@@ -1112,7 +1112,7 @@ DISTRPC_MP_TARGET("dist front target: init, destroy, init again") {
   CHECK(again->group_name() == "group1");  // names start again with the new default group
   at::Tensor u = at::zeros({1});
   dist::all_reduce(u);
-  CHECK(same(u, at::full({1}, 2.0f)));
+  CHECK(identical(u, at::full({1}, 2.0f)));
   dist::destroy_process_group();
 
   // A third time over tcp://host:port, rank and world size in the URL.
@@ -1124,7 +1124,7 @@ DISTRPC_MP_TARGET("dist front target: init, destroy, init again") {
   CHECK(dist::get_rank() == ctx.rank);
   at::Tensor v = at::full({2}, static_cast<float>(ctx.rank + 1));
   dist::all_reduce(v, {.op = dist::ReduceOp::PRODUCT});
-  CHECK(same(v, at::full({2}, 2.0f)));
+  CHECK(identical(v, at::full({2}, 2.0f)));
   dist::destroy_process_group();
 }
 

@@ -28,6 +28,12 @@
 #include <distrpc/rref.hpp>
 #include <distrpc/transport/tcp.hpp>
 
+#include "support/error_text.hpp"
+#include "support/fresh_url.hpp"
+
+using distrpc::testing::fresh_file_url;
+using distrpc::testing::thrown_text;
+
 using namespace std::chrono_literals;
 using distrpc::RpcGroup;
 using distrpc::transport::Tcp;
@@ -55,15 +61,6 @@ int fail_loudly(int x) {
 
 namespace {
 
-// A fresh file:// rendezvous for one group.
-std::string fresh_url() {
-  static std::atomic<int> n{0};
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("distrpc-group-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-  std::filesystem::create_directories(dir);
-  return "file://" + (dir / "rendezvous").string();
-}
-
 distrpc::RpcBackendOptions options(const std::string& url) {
   distrpc::RpcBackendOptions o;
   o.init_method = url;
@@ -77,10 +74,9 @@ distrpc::RpcBackendOptions options(const std::string& url) {
 // once). `ps` serves `ps_registry`, `trainer` serves `trainer_registry`.
 std::pair<RpcGroup, RpcGroup> join_pair(std::shared_ptr<const distrpc::Registry> ps_registry,
                                         std::shared_ptr<const distrpc::Registry> trainer_registry) {
-  const auto url = fresh_url();
-  auto ps = std::async(std::launch::async, [&] {
-    return RpcGroup::join<Tcp>("ps", 0, 2, options(url), ps_registry);
-  });
+  const auto url = fresh_file_url("group");
+  auto ps = std::async(std::launch::async,
+                       [&] { return RpcGroup::join<Tcp>("ps", 0, 2, options(url), ps_registry); });
   RpcGroup trainer = RpcGroup::join<Tcp>("trainer", 1, 2, options(url), trainer_registry);
   REQUIRE(ps.wait_for(30s) == std::future_status::ready);
   return {ps.get(), trainer};
@@ -92,16 +88,6 @@ void shutdown_pair(RpcGroup& a, RpcGroup& b) {
   b.shutdown();
   REQUIRE(first.wait_for(30s) == std::future_status::ready);
   first.get();
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -134,11 +120,11 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   // What the callee's registry does not hold is refused there, even though this process
   // registered it elsewhere (the call site registers into the process's registry).
   const std::string refused =
-      error_of([&] { (void)trainer.rpc_sync<&group_test::negate>("ps", 3); });
+      thrown_text([&] { (void)trainer.rpc_sync<&group_test::negate>("ps", 3); });
   CHECK(refused.find("function 'group_test::negate' is not registered on WorkerInfo(id=0, "
                      "name=ps)") != std::string::npos);
   const std::string refused_back =
-      error_of([&] { (void)ps.rpc_sync<&group_test::mul>("trainer", x, x); });
+      thrown_text([&] { (void)ps.rpc_sync<&group_test::mul>("trainer", x, x); });
   CHECK(refused_back.find("function 'group_test::mul' is not registered on WorkerInfo(id=1, "
                           "name=trainer)") != std::string::npos);
 
@@ -146,7 +132,9 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   // callee allows.
   auto sum = trainer.rpc_sync("ps", "aten::add.Tensor", {at::ones({2}), at::ones({2})});
   CHECK(at::equal(sum.toTensor(), at::full({2}, 2.0f)));
-  CHECK(error_of([&] { (void)trainer.rpc_sync("ps", "aten::mul.Tensor", {x, x}); }) ==
+  CHECK(thrown_text([&] {
+          (void)trainer.rpc_sync("ps", "aten::mul.Tensor", {x, x});
+        }) ==
         "builtin operator 'aten::mul.Tensor' is not allowed on WorkerInfo(id=0, name=ps): a "
         "worker runs only the operators listed in its RpcBackendOptions::builtin_operators (e.g. "
         "{\"aten::mul\"}, or \"*\" for any)");
@@ -159,8 +147,9 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   CHECK(mine == std::map<std::string, int>{{"ps", 10}, {"trainer", 11}});
 
   // The free functions on this thread have no agent until use() names one.
-  CHECK(error_of([] { (void)distrpc::get_worker_info(); }).find("Current RPC agent is not set") !=
-        std::string::npos);
+  CHECK(thrown_text([] {
+          (void)distrpc::get_worker_info();
+        }).find("Current RPC agent is not set") != std::string::npos);
   {
     const auto current = trainer.use();
     CHECK(distrpc::get_worker_info().name == "trainer");
@@ -170,23 +159,23 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
     CHECK(r.owner_name() == "ps");
     CHECK(at::equal(r.to_here(), x * x));
   }
-  CHECK(error_of([] { (void)distrpc::get_worker_info(); }).find("Current RPC agent is not set") !=
-        std::string::npos);
+  CHECK(thrown_text([] {
+          (void)distrpc::get_worker_info();
+        }).find("Current RPC agent is not set") != std::string::npos);
 
   shutdown_pair(ps, trainer);
   CHECK(ps.is_shut_down());
-  const std::string after = error_of([&] { (void)trainer.rpc_sync<&group_test::whoami>("ps"); });
+  const std::string after = thrown_text([&] { (void)trainer.rpc_sync<&group_test::whoami>("ps"); });
   CHECK(after ==
         "RPC has not been initialized: the agent was shut down (RpcGroup::shutdown() was called)");
-  CHECK(error_of([&] { trainer.shutdown(); }) == after);
+  CHECK(thrown_text([&] { trainer.shutdown(); }) == after);
 }
 
 TEST_CASE("RpcGroup: a held agent beside the process's init_rpc agent") {
-  const auto url = fresh_url();
+  const auto url = fresh_file_url("group");
   // The process's agent (worker "main") and a held one ("side") form one group of two.
-  auto side = std::async(std::launch::async, [&] {
-    return RpcGroup::join<Tcp>("side", 1, 2, options(url));
-  });
+  auto side = std::async(std::launch::async,
+                         [&] { return RpcGroup::join<Tcp>("side", 1, 2, options(url)); });
   distrpc::init_rpc<Tcp>("main", 0, 2, options(url));
   REQUIRE(side.wait_for(30s) == std::future_status::ready);
   RpcGroup g = side.get();
@@ -226,7 +215,7 @@ TEST_CASE("Diagnostics go to the log sink, naming the worker; an empty sink rest
   RpcGroup& ps = pair.first;
   RpcGroup& trainer = pair.second;
   const std::string error =
-      error_of([&] { (void)trainer.rpc_sync<&group_test::fail_loudly>("ps", 7); });
+      thrown_text([&] { (void)trainer.rpc_sync<&group_test::fail_loudly>("ps", 7); });
   CHECK(error.find("fail_loudly got 7") != std::string::npos);
   shutdown_pair(ps, trainer);
   distrpc::set_log_sink(nullptr);
@@ -255,29 +244,31 @@ int called_only(int x) {
 DISTRPC_REGISTER(group_test::exposed_triple);
 
 TEST_CASE("Who can call what: serve_exposed_only, and no builtin operators by default") {
-  const auto url = fresh_url();
+  const auto url = fresh_file_url("group");
   auto strict = [&] {
     auto o = options(url);
     o.serve_exposed_only = true;
     o.builtin_operators.clear();  // the default: none
     return o;
   };
-  auto server = std::async(std::launch::async,
-                           [&] { return RpcGroup::join<Tcp>("server", 0, 2, strict()); });
+  auto server =
+      std::async(std::launch::async, [&] { return RpcGroup::join<Tcp>("server", 0, 2, strict()); });
   RpcGroup client = RpcGroup::join<Tcp>("client", 1, 2, options(url));
   REQUIRE(server.wait_for(30s) == std::future_status::ready);
   RpcGroup s = server.get();
 
   // Exposed with DISTRPC_REGISTER: served. Registered only because this binary calls it: refused.
   CHECK(client.rpc_sync<&group_test::exposed_triple>("server", 5) == 15);
-  CHECK(error_of([&] { (void)client.rpc_sync<&group_test::called_only>("server", 5); }) ==
+  CHECK(thrown_text([&] { (void)client.rpc_sync<&group_test::called_only>("server", 5); }) ==
         "function 'group_test::called_only' is not exposed on WorkerInfo(id=0, name=server): this "
         "worker serves only the functions it exposes (RpcBackendOptions::serve_exposed_only); "
         "expose it there with DISTRPC_REGISTER(group_test::called_only)");
   // The default worker (the client) serves both.
   CHECK(s.rpc_sync<&group_test::called_only>("client", 5) == 6);
   // No operator by name on a worker that lists none; the library's own functions still work.
-  CHECK(error_of([&] { (void)client.rpc_sync("server", "aten::add.Tensor", {1, 2}); })
+  CHECK(thrown_text([&] {
+          (void)client.rpc_sync("server", "aten::add.Tensor", {1, 2});
+        })
             .find("builtin operator 'aten::add.Tensor' is not allowed on WorkerInfo(id=0, "
                   "name=server)") == 0);
   auto both = std::async(std::launch::async, [&] { return s.all_gather(std::string("s")); });
@@ -458,10 +449,10 @@ TEST_CASE("An agent stopped and destroyed while user threads are inside sends") 
   // The bookkeeping held past the agent: every operation fails with the agent's own text or
   // works locally, none reaches the freed agent.
   REQUIRE(rrefs != nullptr);
-  CHECK(error_of([&] { (void)user_ref.type_name(); }) ==
+  CHECK(thrown_text([&] { (void)user_ref.type_name(); }) ==
         "RPC agent of WorkerInfo(id=1, name=trainer) is shut down: type query of " +
             user_ref.str() + " not sent");
-  CHECK(shut_down_text(error_of([&] { (void)user_ref.to_here(); })));
+  CHECK(shut_down_text(thrown_text([&] { (void)user_ref.to_here(); })));
   CHECK(owned_ref.local_value() == 7);
   CHECK(owned_ref.to_here() == 7);
   user_ref = {};  // the user RRef's destructor: nothing is sent, nothing is touched

@@ -38,9 +38,9 @@ using namespace distrpc::testing::rpc_names;
 
 namespace {
 
-int counter(const char* key) {
-  return std::stoi(distrpc::get_debug_info().at(key));
-}
+using distrpc::testing::eventually;
+using distrpc::testing::rref_counter;
+using distrpc::testing::rref_flushed;
 
 std::string counters_line() {
   auto i = distrpc::get_debug_info();
@@ -49,26 +49,10 @@ std::string counters_line() {
          " num_pending_futures=" + i.at("num_pending_futures");
 }
 
-// Polls this worker's RRef counters until `pred` holds (or 10 s pass); true if it held.
-template <class Pred>
-bool wait_for_counters(Pred pred, std::chrono::milliseconds limit = 10s) {
-  const auto deadline = Clock::now() + limit;
-  while (!pred()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
-// PyTorch's wait_until_pending_futures_and_users_flushed().
-bool flushed() {
-  return wait_for_counters(
-      [] { return counter("num_pending_futures") == 0 && counter("num_pending_users") == 0; });
-}
-
 bool owners_and_forks(int owners, int forks) {
-  return wait_for_counters(
-      [&] { return counter("num_owner_rrefs") == owners && counter("num_forks") == forks; });
+  return eventually([&] {
+    return rref_counter("num_owner_rrefs") == owners && rref_counter("num_forks") == forks;
+  });
 }
 
 }  // namespace
@@ -321,8 +305,8 @@ DISTRPC_MP_TEST("rref: ids, string forms, local RRefs, local_value on a user (sc
   CHECK(local.to_here() == ctx.rank);
   CHECK(local.get_future().done());
   // A local RRef is not in the bookkeeping until it is shared.
-  CHECK(counter("num_owner_rrefs") == 0);
-  CHECK(counter("num_pending_users") == 0);
+  CHECK(rref_counter("num_owner_rrefs") == 0);
+  CHECK(rref_counter("num_pending_users") == 0);
   distrpc::barrier();  // nobody creates RRefs on a peer before every rank checked the above
 
   auto user = distrpc::remote<&add>(next, at::ones({2, 2}), at::ones({2, 2}));
@@ -453,7 +437,7 @@ DISTRPC_MP_TEST("rref: remote() of a void function gives RRef<void>: peer, self,
 
   // Every worker owns, for its predecessor: peer, async, bad and shared (forks held by it), and
   // for the worker two before it the returned one (its fork moved there): 5 cells, 5 forks.
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::barrier();
   CHECK_MESSAGE(owners_and_forks(5, 5), counters_line());
   distrpc::barrier();
@@ -464,10 +448,10 @@ DISTRPC_MP_TEST("rref: remote() of a void function gives RRef<void>: peer, self,
   bad_self = RRef<void>();
   shared = RRef<void>();
   returned = RRef<void>();
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::barrier();
   CHECK_MESSAGE(owners_and_forks(0, 0), counters_line());
-  CHECK(counter("num_pending_children") == 0);
+  CHECK(rref_counter("num_pending_children") == 0);
   CHECK_NOTHROW(distrpc::shutdown());  // graceful, with the leak check on
 }
 
@@ -503,12 +487,12 @@ DISTRPC_MP_TARGET("rref target: three-party RRef (scenario 3)") {
     rref = distrpc::remote<&add>("worker1", at::ones({3}), at::ones({3}));
     std::printf("[trace] worker0 (user) right after remote(): %s\n", counters_line().c_str());
     rref->get_future().wait();
-    CHECK(flushed());
+    CHECK(rref_flushed());
     std::printf("[trace] worker0 (user) once the owner confirmed: %s\n", counters_line().c_str());
     // worker2 fetches it and keeps it.
     CHECK(at::equal(distrpc::rpc_sync<&hold_tensor_rref>("worker2", *rref), at::ones({3}) * 2));
   }
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::barrier();
   if (ctx.rank == 1) {
     CHECK(owners_and_forks(1, 2));  // w0's fork and w2's fork
@@ -525,7 +509,7 @@ DISTRPC_MP_TARGET("rref target: three-party RRef (scenario 3)") {
                 counters_line().c_str());
   }
   if (ctx.rank == 0 || ctx.rank == 2) {
-    CHECK(flushed());
+    CHECK(rref_flushed());
     std::printf("[trace] %s (user) at the end: %s\n", wname(ctx.rank).c_str(),
                 counters_line().c_str());
   }
@@ -848,7 +832,7 @@ DISTRPC_MP_TEST("rref: remote() creation timeout; the owner still creates (scena
     rref = distrpc::remote<&sleep_ms>("worker1", distrpc::with_timeout(10ms), 1500);
     expect_exact<distrpc::RpcTimeoutError>([&] { rref->get_future().wait(); },
                                            "RPC ran for more than", "creation future");
-    CHECK(flushed());
+    CHECK(rref_flushed());
     expect_exact<distrpc::RpcTimeoutError>([&] { rref->to_here(); }, "RRef creation",
                                            "to_here after a creation timeout");
     CHECK_FALSE(rref->confirmed_by_owner());
@@ -879,11 +863,11 @@ DISTRPC_MP_TEST("rref: context debug info (test_rref_context_debug_info)", 4, 60
   distrpc::barrier();
   // Shared with a peer: one owner RRef, no pending user once the fork completed.
   distrpc::rpc_sync<&set_global_rref>(dst, rref1);
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::barrier();
-  CHECK(counter("num_owner_rrefs") == 1);
-  CHECK(counter("num_forks") == 1);
-  CHECK(counter("num_pending_users") == 0);
+  CHECK(rref_counter("num_owner_rrefs") == 1);
+  CHECK(rref_counter("num_forks") == 1);
+  CHECK(rref_counter("num_pending_users") == 0);
   distrpc::barrier();
   distrpc::rpc_sync<&clear_global_rref>(dst);
   CHECK(owners_and_forks(0, 0));
@@ -893,10 +877,10 @@ DISTRPC_MP_TEST("rref: context debug info (test_rref_context_debug_info)", 4, 60
   auto rref3 = distrpc::remote<&add>(dst, at::ones({2, 2}), at::ones({2, 2}));
   rref2.to_here();
   rref3.to_here();
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::barrier();
-  CHECK(counter("num_owner_rrefs") == 2);
-  CHECK(counter("num_pending_users") == 0);
+  CHECK(rref_counter("num_owner_rrefs") == 2);
+  CHECK(rref_counter("num_pending_users") == 0);
   distrpc::barrier();
   distrpc::shutdown();
 }
@@ -911,7 +895,7 @@ DISTRPC_MP_TEST("rref: leak check: 'Leaking RRef' without the purge, silent when
   distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
   auto rref = distrpc::remote<&add>((ctx.rank + 1) % ctx.world, at::ones({2, 2}), at::ones({2, 2}));
   rref.to_here();
-  CHECK(flushed());
+  CHECK(rref_flushed());
   expect_exact<distrpc::RpcError>([] { distrpc::shutdown(); }, "Leaking RRef", "leak check");
   CHECK_FALSE(distrpc::is_initialized());
   // Again, with the leak check off.
@@ -996,7 +980,7 @@ DISTRPC_MP_TEST("rref: remote exceptions through to_here and type queries; bad d
                     doctest::Contains("could not find destination"));
   CHECK_THROWS_WITH(distrpc::remote<&add_ints>(-1, 1, 2),
                     doctest::Contains("could not find destination"));
-  CHECK(owners_and_forks(counter("num_owner_rrefs"), counter("num_forks")));
+  CHECK(owners_and_forks(rref_counter("num_owner_rrefs"), rref_counter("num_forks")));
   distrpc::shutdown();
 }
 
@@ -1042,7 +1026,7 @@ DISTRPC_MP_TEST("rref: to_here() right after a remote() the owner refuses fails 
   distrpc::barrier();
   // The owner holds no cell for the refused calls (nor for the good one, released).
   if (ctx.rank == 1) CHECK(owners_and_forks(0, 0));
-  CHECK(flushed());
+  CHECK(rref_flushed());
   distrpc::shutdown();
 }
 
@@ -1052,17 +1036,17 @@ DISTRPC_MP_TEST("rref: deletes of dropped user RRefs go in batches, and soon", 2
     std::vector<RRef<int>> users;
     for (int i = 0; i < 300; ++i) users.push_back(distrpc::remote<&add_ints>("worker1", i, 1));
     for (int i = 0; i < 300; ++i) CHECK(users[static_cast<std::size_t>(i)].to_here() == i + 1);
-    CHECK(flushed());
-    const int sent0 = counter("num_user_deletes_sent");
-    const int messages0 = counter("num_user_delete_messages");
+    CHECK(rref_flushed());
+    const int sent0 = rref_counter("num_user_deletes_sent");
+    const int messages0 = rref_counter("num_user_delete_messages");
     ctx.publish("made", "1");
     (void)ctx.lookup("counted");
     users.clear();
     // 300 deletes: one full batch of 256 at once, the rest when the short delay ends.
-    CHECK(flushed());
-    CHECK(counter("num_queued_deletes") == 0);
-    CHECK(counter("num_user_deletes_sent") - sent0 == 300);
-    const int messages = counter("num_user_delete_messages") - messages0;
+    CHECK(rref_flushed());
+    CHECK(rref_counter("num_queued_deletes") == 0);
+    CHECK(rref_counter("num_user_deletes_sent") - sent0 == 300);
+    const int messages = rref_counter("num_user_delete_messages") - messages0;
     CHECK(messages >= 2);
 #ifdef DISTRPC_UNDER_TSAN  // net/handoff.hpp
     // Under ThreadSanitizer clear() itself outlasts the delay: the last 44 leave in a few more

@@ -77,22 +77,9 @@ std::uint64_t failed(RRefControl k) {
   return it == s.failed.end() ? 0 : it->second;
 }
 
-int counter(const char* key) {
-  return std::stoi(distrpc::get_debug_info().at(key));
-}
-template <class Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit) {
-  const auto deadline = Clock::now() + limit;
-  while (!pred()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-bool flushed() {
-  return eventually(
-      [] { return counter("num_pending_futures") == 0 && counter("num_pending_users") == 0; }, 10s);
-}
+using distrpc::testing::eventually;
+using distrpc::testing::rref_counter;
+using distrpc::testing::rref_flushed;
 
 }  // namespace
 
@@ -144,8 +131,8 @@ DISTRPC_MP_TARGET("rref faulty target: create, fork to a third worker, use, dele
     // (the fork given to worker2 keeps ours alive until then), which is retried too.
     rref.reset();
     CHECK(eventually([] { return failed(RRefControl::UserDelete) == 3; }, 20s));
-    CHECK(flushed());
-    CHECK(counter("num_pending_children") == 0);
+    CHECK(rref_flushed());
+    CHECK(rref_counter("num_pending_children") == 0);
     CHECK(failed(RRefControl::UserDelete) == 3);
     CHECK(failed(RRefControl::TypeQuery) == 3);
     CHECK(failed(RRefControl::ForkRequest) == 0);  // worker0 created it: nothing to request
@@ -153,13 +140,14 @@ DISTRPC_MP_TARGET("rref faulty target: create, fork to a third worker, use, dele
   }
   if (ctx.rank == 1) {
     // The owner holds the value, then frees it once both users' deletes came through.
-    CHECK(eventually([] { return counter("num_owner_rrefs") == 1; }, 20s));
-    CHECK(eventually([] { return counter("num_owner_rrefs") == 0 && counter("num_forks") == 0; },
-                     20s));
+    CHECK(eventually([] { return rref_counter("num_owner_rrefs") == 1; }, 20s));
+    CHECK(eventually(
+        [] { return rref_counter("num_owner_rrefs") == 0 && rref_counter("num_forks") == 0; },
+        20s));
   }
   if (ctx.rank == 2) {
     CHECK(eventually([] { return failed(RRefControl::UserDelete) == 3; }, 20s));
-    CHECK(flushed());
+    CHECK(rref_flushed());
     CHECK(failed(RRefControl::ForkRequest) == 3);
     CHECK(failed(RRefControl::ChildAccept) == 3);
   }

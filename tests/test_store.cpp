@@ -34,6 +34,7 @@
 #include "distrpc/store.hpp"
 #include "distrpc/wire/auth.hpp"
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 #include "support/tls_certs.hpp"
 
 namespace ds = distrpc::store;
@@ -45,9 +46,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using distrpc::testing::contains;
 
 milliseconds since(Clock::time_point t0) {
   return std::chrono::duration_cast<milliseconds>(Clock::now() - t0);

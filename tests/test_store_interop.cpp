@@ -22,6 +22,7 @@
 
 #include "distrpc/store.hpp"
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 
 extern char** environ;
 
@@ -130,9 +131,7 @@ std::optional<std::string> python_torch_missing() {
   }
 }
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using distrpc::testing::contains;
 
 }  // namespace
 

@@ -84,27 +84,7 @@ struct Traits<AutoShmTcp> {
 template <>
 struct Traits<FaultyTcp> : Traits<Tcp> {};
 
-// The good peer still works both ways, a tensor included: one bad connection did not take the
-// context down.
-template <class P>
-void check_still_works(NodeOf<P>& a, NodeOf<P>& b, std::uint64_t id) {
-  const std::size_t before_a = a.inbox.message_count();
-  const std::size_t before_b = b.inbox.message_count();
-  b.ctx->send(0, make_message(MessageType::Request, id, "still-alive"));
-  a.ctx->send(1,
-              make_message(MessageType::Response, id, "still-alive", {pattern_bytes(100000, 5)}));
-  REQUIRE(a.inbox.wait_messages(before_a + 1));
-  REQUIRE(b.inbox.wait_messages(before_b + 1));
-  {
-    std::lock_guard<std::mutex> lk(a.inbox.mu);
-    CHECK(a.inbox.messages.back().first == 1);
-    CHECK(a.inbox.messages.back().second.id == id);
-    CHECK(a.inbox.messages.back().second.payload == "still-alive");
-  }
-  std::lock_guard<std::mutex> lk(b.inbox.mu);
-  CHECK(b.inbox.messages.back().first == 0);
-  CHECK(same_bytes(b.inbox.messages.back().second.buffers.at(0), pattern_bytes(100000, 5)));
-}
+using distrpc::testing::check_still_works;
 
 // ---- delivery -------------------------------------------------------------------------------
 
@@ -585,17 +565,7 @@ void oversize_refused_scenario() {
 // Exact types: a bad argument, an unknown or unreachable peer and a stopped transport are
 // DistNetworkError (and not a ProtocolError, which means the peer broke the protocol); an
 // oversized message is wire::EncodeError (nothing was sent, the connection is fine).
-template <class E, class Fn>
-std::string thrown_exactly(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    CHECK_MESSAGE(typeid(e) == typeid(E), "threw " << typeid(e).name() << ": " << e.what());
-    return e.what();
-  }
-  FAIL_CHECK("nothing was thrown");
-  return {};
-}
+using distrpc::testing::thrown_exactly;
 
 template <class P>
 void failure_types_scenario() {

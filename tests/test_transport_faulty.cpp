@@ -63,18 +63,7 @@ struct Worker0FailsRequests {
   }
 };
 
-// The text of what fn() threw, checking the exception's exact type.
-template <class E, class Fn>
-std::string thrown_exactly(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    CHECK_MESSAGE(typeid(e) == typeid(E), "threw " << typeid(e).name() << ": " << e.what());
-    return e.what();
-  }
-  FAIL_CHECK("nothing was thrown");
-  return {};
-}
+using distrpc::testing::thrown_exactly;
 
 // A Faulty<Tcp, F> worker 0 and a plain Tcp worker 1 (same domain: they talk).
 template <class F>

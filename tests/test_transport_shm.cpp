@@ -65,21 +65,7 @@ using distrpc::transport::Shm;
 using distrpc::transport::Tcp;
 using AutoShmTcp = distrpc::transport::Auto<Shm, Tcp>;
 
-using Node = NodeOf<Shm>;
-
-void check_still_works(Node& a, Node& b, std::uint64_t id) {
-  const std::size_t before_a = a.inbox.message_count();
-  const std::size_t before_b = b.inbox.message_count();
-  b.ctx->send(0, make_message(MessageType::Request, id, "still-alive"));
-  a.ctx->send(1,
-              make_message(MessageType::Response, id, "still-alive", {pattern_bytes(100000, 5)}));
-  REQUIRE(a.inbox.wait_messages(before_a + 1));
-  REQUIRE(b.inbox.wait_messages(before_b + 1));
-  std::lock_guard<std::mutex> lk(a.inbox.mu);
-  CHECK(a.inbox.messages.back().first == 1);
-  CHECK(a.inbox.messages.back().second.id == id);
-  CHECK(a.inbox.messages.back().second.payload == "still-alive");
-}
+using ShmNode = NodeOf<Shm>;
 
 // Lines of /proc/self/maps naming `part` (memfd mappings show as "/memfd:<name> (deleted)").
 std::vector<std::string> maps_lines(const std::string& part) {
@@ -132,7 +118,7 @@ TEST_CASE("shm: the policy satisfies the Transport concept and names its domain"
   CHECK(contains(key, "ipc=ipc:["));
   CHECK(contains(key, "net=net:["));
   CHECK(key == Shm::domain_key());  // stable
-  Node a(0);
+  ShmNode a(0);
   const std::string addr = a.ctx->address();
   CHECK(addr.rfind("distrpc-shm-" + std::to_string(::getpid()) + "-", 0) == 0);
   // The listener is an abstract socket: nothing in the file system, and it shows in the kernel's
@@ -144,7 +130,7 @@ TEST_CASE("shm: the policy satisfies the Transport concept and names its domain"
 }
 
 TEST_CASE("shm: add_peer and send refuse bad input, naming what was wrong") {
-  Node a(0);
+  ShmNode a(0);
   CHECK_THROWS_WITH_AS(a.ctx->add_peer(-1, "neg", "distrpc-shm-1-2"), doctest::Contains("negative"),
                        DistNetworkError);
   CHECK_THROWS_WITH_AS(a.ctx->add_peer(2, "w2", "127.0.0.1:80"),
@@ -156,7 +142,7 @@ TEST_CASE("shm: add_peer and send refuse bad input, naming what was wrong") {
 }
 
 TEST_CASE("shm: tensors through the codec keep dtype, shape and strides (non-contiguous too)") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   const at::Tensor square = at::arange(0, 512 * 512, at::kFloat).reshape({512, 512});
   const at::Tensor transposed = square.t();  // non-contiguous, 1 MiB
@@ -182,7 +168,7 @@ TEST_CASE("shm: tensors through the codec keep dtype, shape and strides (non-con
 }
 
 TEST_CASE("shm: messages larger than the ring stream through it, with many small tensors") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   // An 8 MiB payload is four times the ring; 3000 small tensors (inline) and two segment ones.
   std::string payload(8 << 20, '\0');
@@ -204,7 +190,7 @@ TEST_CASE("shm: messages larger than the ring stream through it, with many small
 }
 
 TEST_CASE("shm: a 64 MiB tensor makes round trips intact, reusing its segments") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   const at::Tensor big = pattern_bytes(64 << 20, 99);
   std::vector<double> ms;
@@ -230,7 +216,7 @@ TEST_CASE("shm: a 64 MiB tensor makes round trips intact, reusing its segments")
 }
 
 TEST_CASE("shm: tensors the receiver holds keep their bytes while the sender goes on") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   // Twelve 1 MiB messages held by the receiver: more than the sender's cache (8 segments), so the
   // later ones use one-shot segments; none may be overwritten while held.
@@ -274,7 +260,7 @@ TEST_CASE("shm: tensors the receiver holds keep their bytes while the sender goe
 // Secrets and identities are refused in the conformance suite; here: a raw client on the
 // SOCK_SEQPACKET listener sending garbage instead of a Hello.
 TEST_CASE("shm: garbage instead of a handshake is refused; the listener lives on") {
-  Node a(options_for(0, "s3cret")), b(options_for(1, "s3cret"));
+  ShmNode a(options_for(0, "s3cret")), b(options_for(1, "s3cret"));
   introduce(a, 0, b, 1);
   check_still_works(a, b, 1);
   {
@@ -305,7 +291,7 @@ TEST_CASE("shm: an answer replayed on a new connection is refused") {
   namespace sd = distrpc::transport::shm::detail;
   const std::string token = "s3cret";
   LogLines log;
-  Node a(options_for(0, token));
+  ShmNode a(options_for(0, token));
   const auth::Nonce nonce = auth::make_nonce();
   const auto raw_connect = [&] {
     const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -366,7 +352,7 @@ TEST_CASE("shm: an answer replayed on a new connection is refused") {
 }
 
 TEST_CASE("shm: a corrupted ring header drops the connection with a reason; the process lives") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   check_still_works(a, b, 1);
   // The ring worker 0 writes to worker 1 is mapped twice in this process (writer and reader).
@@ -395,7 +381,7 @@ TEST_CASE("shm: a corrupted ring header drops the connection with a reason; the 
 }
 
 TEST_CASE("shm: an idle connected pair uses almost no CPU") {
-  Node a(0), b(1);
+  ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   for (int i = 0; i < 200; ++i) {
     a.ctx->send(1, make_message(MessageType::Request, i, "warm"));

@@ -38,7 +38,7 @@ namespace {
 using namespace distrpc::testing::transport_names;
 using distrpc::transport::Tcp;
 
-using Node = distrpc::testing::NodeOf<Tcp>;
+using TcpNode = distrpc::testing::NodeOf<Tcp>;
 
 // ---- raw sockets, to play a broken or hostile peer ----------------------------------------------
 
@@ -124,20 +124,6 @@ bool closed_by_server(int fd) {
   return r < 0 && (errno == ECONNRESET || errno == EPIPE);
 }
 
-// The good peer still works both ways: proves one bad connection did not take the agent down.
-void check_still_works(Node& a, Node& b, std::uint64_t id) {
-  const std::size_t before_a = a.inbox.message_count();
-  const std::size_t before_b = b.inbox.message_count();
-  b.ctx->send(0, make_message(MessageType::Request, id, "still-alive"));
-  a.ctx->send(1, make_message(MessageType::Response, id, "still-alive"));
-  REQUIRE(a.inbox.wait_messages(before_a + 1));
-  REQUIRE(b.inbox.wait_messages(before_b + 1));
-  std::lock_guard<std::mutex> lk(a.inbox.mu);
-  CHECK(a.inbox.messages.back().first == 1);
-  CHECK(a.inbox.messages.back().second.id == id);
-  CHECK(a.inbox.messages.back().second.payload == "still-alive");
-}
-
 }  // namespace
 
 TEST_CASE("tcp: the policy satisfies the Transport concept") {
@@ -145,7 +131,7 @@ TEST_CASE("tcp: the policy satisfies the Transport concept") {
   CHECK(Tcp::name == "tcp");
   CHECK(Tcp::viable());
   CHECK(Tcp::domain_key() == "tcp");
-  Node a(0);
+  TcpNode a(0);
   const std::string addr = a.ctx->address();
   CHECK(addr.rfind("127.0.0.1:", 0) == 0);
   CHECK(std::stoi(addr.substr(addr.find(':') + 1)) > 0);
@@ -153,7 +139,7 @@ TEST_CASE("tcp: the policy satisfies the Transport concept") {
 
 TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps working") {
   const std::string token = "s3cret";
-  Node a(options_for(0, token)), b(options_for(1, token));
+  TcpNode a(options_for(0, token)), b(options_for(1, token));
   introduce(a, 0, b, 1);
   check_still_works(a, b, 1);
   const std::string addr = a.ctx->address();
@@ -325,7 +311,7 @@ TEST_CASE("tcp: the secret never travels; an acceptor replaying a recorded proof
   namespace auth = distrpc::wire::auth;
   const std::string token = "correct horse battery staple";
   // A genuine worker 0 answers one raw challenge: its reply (nonce and proof) is recorded.
-  Node a(options_for(0, token));
+  TcpNode a(options_for(0, token));
   distrpc::wire::Hello recorded;
   {
     const int fd = raw_connect(a.ctx->address());
@@ -371,7 +357,7 @@ TEST_CASE("tcp: the secret never travels; an acceptor replaying a recorded proof
   });
   std::string text;
   {
-    Node b(options_for(1, token));
+    TcpNode b(options_for(1, token));
     b.ctx->add_peer(0, "w0", fake_addr);
     try {
       b.ctx->send(0, make_message(MessageType::Request, 1, "for w0"));
@@ -407,7 +393,7 @@ distrpc::transport::TransportOptions tls_node(int id, const distrpc::TlsOptions&
 }
 
 // What `send` throws (DistNetworkError), or "<no exception>".
-std::string send_error(Node& from, int to) {
+std::string send_error(TcpNode& from, int to) {
   try {
     from.ctx->send(to, make_message(MessageType::Request, 1, "hello"));
   } catch (const distrpc::DistNetworkError& e) {
@@ -421,8 +407,8 @@ std::string send_error(Node& from, int to) {
 TEST_CASE("tcp TLS: small and 64 MiB messages cross mutual TLS both ways, with a secret inside") {
   const auto& certs = distrpc::testing::tls_files();
   const std::string token = "correct horse battery staple";
-  Node a(tls_node(0, certs.server, token));
-  Node b(tls_node(1, certs.client, token));
+  TcpNode a(tls_node(0, certs.server, token));
+  TcpNode b(tls_node(1, certs.client, token));
   introduce(a, 0, b, 1);
   // b dials a (its Request), a dials b (the echo): both directions run their own TLS connection.
   b.ctx->send(0, make_message(MessageType::Request, 1, "small"));
@@ -455,8 +441,8 @@ TEST_CASE("tcp TLS: a peer whose certificate another CA signed is refused, with 
   const auto& certs = distrpc::testing::tls_files();
   SUBCASE("a rogue dialler: the acceptor refuses it, the dialler hears why") {
     LogLines log;
-    Node a(tls_node(0, certs.server));
-    Node rogue(tls_node(1, certs.rogue));
+    TcpNode a(tls_node(0, certs.server));
+    TcpNode rogue(tls_node(1, certs.rogue));
     introduce(a, 0, rogue, 1);
     CHECK(send_error(rogue, 0) == "distrpc tcp: TLS handshake with worker 0 ('w0') at " +
                                       a.ctx->address() + " failed: tlsv1 alert unknown ca");
@@ -465,7 +451,7 @@ TEST_CASE("tcp TLS: a peer whose certificate another CA signed is refused, with 
     CHECK(contains(line, "TLS handshake failed: certificate verify failed"));
     CHECK(a.inbox.message_count() == 0);
     // The acceptor goes on serving a good peer.
-    Node b(tls_node(2, certs.client));
+    TcpNode b(tls_node(2, certs.client));
     a.ctx->add_peer(2, "w2", b.ctx->address());
     b.ctx->add_peer(0, "w0", a.ctx->address());
     b.ctx->send(0, make_message(MessageType::Request, 9, "good"));
@@ -473,8 +459,8 @@ TEST_CASE("tcp TLS: a peer whose certificate another CA signed is refused, with 
     CHECK(a.inbox.take(0).payload == "good");
   }
   SUBCASE("a rogue acceptor: the dialler refuses its certificate") {
-    Node rogue(tls_node(0, certs.rogue));
-    Node b(tls_node(1, certs.client));
+    TcpNode rogue(tls_node(0, certs.rogue));
+    TcpNode b(tls_node(1, certs.client));
     introduce(rogue, 0, b, 1);
     CHECK(send_error(b, 0) == "distrpc tcp: TLS handshake with worker 0 ('w0') at " +
                                   rogue.ctx->address() +
@@ -488,8 +474,8 @@ TEST_CASE("tcp TLS: TLS on one side only fails cleanly, well within the connect 
   const auto& certs = distrpc::testing::tls_files();
   SUBCASE("a plain dialler, a TLS acceptor") {
     LogLines log;
-    Node a(tls_node(0, certs.server, "", 10s));
-    Node plain(options_for(1, "", 10s));
+    TcpNode a(tls_node(0, certs.server, "", 10s));
+    TcpNode plain(options_for(1, "", 10s));
     introduce(a, 0, plain, 1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::string text = send_error(plain, 0);
@@ -502,8 +488,8 @@ TEST_CASE("tcp TLS: TLS on one side only fails cleanly, well within the connect 
   }
   SUBCASE("a TLS dialler, a plain acceptor") {
     LogLines log;
-    Node plain(options_for(0, "", 10s));
-    Node b(tls_node(1, certs.client, "", 10s));
+    TcpNode plain(options_for(0, "", 10s));
+    TcpNode b(tls_node(1, certs.client, "", 10s));
     introduce(plain, 0, b, 1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::string text = send_error(b, 0);
@@ -522,7 +508,7 @@ TEST_CASE("tcp TLS: missing or unreadable files are named when the Context is ma
   bad.cert_file = certs.dir + "/no-such-cert.pem";
   const auto make = [&](const distrpc::TlsOptions& t) {
     try {
-      Node n(tls_node(0, t));
+      TcpNode n(tls_node(0, t));
     } catch (const distrpc::DistError& e) {
       return std::string(e.what());
     }

@@ -7,6 +7,7 @@
 #   DISTRPC_FUZZ_SECONDS=N                 fuzzing time per target (default 15)
 #   DISTRPC_FUZZ_BUILD=DIR                 build directory (default build-fuzz)
 #   DISTRPC_FUZZ_BUILD_ONLY=1              build, do not run
+#   DISTRPC_JOBS=N                         targets built and fuzzed N at a time (default 2)
 #
 # One line per target (runs, coverage, corpus, result); last line "N passed, M failed"; exit
 # non-zero when a target crashed (a sanitizer report, an uncaught exception, a timeout of 10 s on
@@ -113,48 +114,50 @@ fi
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-halt_on_error=1:abort_on_error=1:print_stacktrace=1}"
-passed=0
-failed=0
-for t in "${targets[@]}"; do
-  exe="$root/$build/$t"
-  work="$root/$build/work/$t"
+# fuzz_one TARGET: replays TARGET's regression inputs, then fuzzes it; its one-line result (and
+# report on failure) goes to build-fuzz/work/TARGET/result, its status to .../rc.
+fuzz_one() {
+  local t="$1"
+  local exe="$root/$build/$t"
+  local work="$root/$build/work/$t"
   rm -rf "$work"
   mkdir -p "$work/corpus"
-  log="$work/log"
+  local log="$work/log" out="$work/result"
   # 1. The inputs that once crashed, each run once.
-  regress=("$root"/tests/fuzz/regressions/"$t"/*)
+  local regress=("$root"/tests/fuzz/regressions/"$t"/*)
   if [ -e "${regress[0]}" ]; then
     if ! "$exe" "${regress[@]}" >"$work/regress.log" 2>&1; then
-      failed=$((failed + 1))
-      echo "$t: a regression input crashes again (${#regress[@]} replayed): FAILED"
-      tail -60 "$work/regress.log"
-      continue
+      { echo "$t: a regression input crashes again (${#regress[@]} replayed): FAILED"
+        tail -60 "$work/regress.log"; } >"$out"
+      echo 1 >"$work/rc"
+      return
     fi
   fi
   # 2. Fuzzing on a copy of the seeds (the committed corpus is not modified).
-  seeds=0
+  local seeds=0
   if [ -d "$root/tests/fuzz/corpus/$t" ]; then
     cp "$root"/tests/fuzz/corpus/"$t"/* "$work/corpus/" 2>/dev/null
     seeds=$(find "$work/corpus" -type f | wc -l)
   fi
-  start=$SECONDS
+  local start=$SECONDS
   nice -n "${DISTRPC_FUZZ_NICE:-10}" "$exe" -max_total_time="$seconds" -timeout=10 \
     -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$work/" "$work/corpus" \
     >"$log" 2>&1
-  rc=$?
+  local rc=$?
+  local runs speed cov grown summary found="" a
   runs=$(sed -nE 's/^stat::number_of_executed_units: *([0-9]+).*/\1/p' "$log" | tail -1)
   speed=$(sed -nE 's/^stat::average_exec_per_sec: *([0-9]+).*/\1/p' "$log" | tail -1)
   cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+' "$log" | tail -1)
   grown=$(find "$work/corpus" -type f | wc -l)
   summary="${runs:-?} runs in $((SECONDS - start)) s (${speed:-?}/s), ${cov:-cov: ?}, corpus $seeds -> $grown"
-  artifacts=("$work"/crash-* "$work"/timeout-* "$work"/oom-* "$work"/leak-*)
-  found=""
+  local artifacts=("$work"/crash-* "$work"/timeout-* "$work"/oom-* "$work"/leak-*)
   for a in "${artifacts[@]}"; do [ -e "$a" ] && found="$a" && break; done
   if [ $rc -eq 0 ] && [ -z "$found" ]; then
-    passed=$((passed + 1))
-    echo "$t: $summary: ok"
-  else
-    failed=$((failed + 1))
+    echo "$t: $summary: ok" >"$out"
+    echo 0 >"$work/rc"
+    return
+  fi
+  {
     if [ -n "$found" ]; then
       mkdir -p "$root/tests/fuzz/regressions/$t"
       cp "$found" "$root/tests/fuzz/regressions/$t/"
@@ -165,6 +168,25 @@ for t in "${targets[@]}"; do
     echo "---- $t report ----"
     grep -vE '^#[0-9]+' "$log" | tail -60
     echo "---- end of $t report ----"
+  } >"$out"
+  echo 1 >"$work/rc"
+}
+
+# The targets run DISTRPC_JOBS at a time (each is single-threaded and gets the full time on its
+# own core); the results are printed in the targets' order.
+for t in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "${DISTRPC_JOBS:-2}" ]; do wait -n; done
+  fuzz_one "$t" &
+done
+wait
+passed=0
+failed=0
+for t in "${targets[@]}"; do
+  cat "$root/$build/work/$t/result" 2>/dev/null || echo "$t: no result: FAILED"
+  if [ "$(cat "$root/$build/work/$t/rc" 2>/dev/null)" = 0 ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
   fi
 done
 echo "$passed passed, $failed failed"

@@ -87,7 +87,7 @@ void run_multiprocess_case(const char* name, int world, int limit_seconds);
 
 // A multi-process test: `world` ranks, the whole run killed and failed after `limit_seconds`.
 #define DISTRPC_MP_TEST(name, world, limit_seconds) \
-  DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, DISTRPC_MP_CAT(distrpc_mp_body_, __LINE__))
+  DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, DISTRPC_MP_CAT(distrpc_mp_body_, __COUNTER__))
 #define DISTRPC_MP_TEST_IMPL(name, world, limit_seconds, body)                       \
   static void body(const ::distrpc::testing::RankContext& ctx);                      \
   TEST_CASE(name) {                                                                  \
@@ -102,7 +102,7 @@ void run_multiprocess_case(const char* name, int world, int limit_seconds);
 // A body that runs only as a rank started explicitly by run_ranks() (skipped in a normal run):
 // for tests that expect a run to fail, hang or crash and assert on the RunResult.
 #define DISTRPC_MP_TARGET(name) \
-  DISTRPC_MP_TARGET_IMPL(name, DISTRPC_MP_CAT(distrpc_mp_target_, __LINE__))
+  DISTRPC_MP_TARGET_IMPL(name, DISTRPC_MP_CAT(distrpc_mp_target_, __COUNTER__))
 #define DISTRPC_MP_TARGET_IMPL(name, body)                      \
   static void body(const ::distrpc::testing::RankContext& ctx); \
   TEST_CASE(name* doctest::skip()) {                            \

@@ -1,10 +1,26 @@
 // error_text<E>(f): the text of the E that f() throws, or "<no exception>" (so a CHECK on the
 // text fails with both texts shown). Another exception type propagates and fails the test.
+// contains(text, part): whether an error text (or any text) has `part` in it.
 #pragma once
 
 #include <string>
 
 namespace distrpc::testing {
+
+// thrown_text(fn): the text of whatever std::exception fn() throws, or "(no error)".
+template <class Fn>
+std::string thrown_text(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 template <class E, class F>
 std::string error_text(F&& f) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <typeinfo>
 
 #include <c10/util/Exception.h>
@@ -12,10 +13,11 @@
 
 #include <distrpc/options.hpp>
 #include <distrpc/rpc.hpp>
-#include <distrpc/rref.hpp>
 #include <distrpc/rpc_error.hpp>
+#include <distrpc/rref.hpp>
 
 #include "multiprocess.hpp"
+#include "support/error_text.hpp"
 #include "support/rpc_under_test.hpp"
 
 namespace distrpc::testing {
@@ -48,14 +50,33 @@ std::string error_of(Fn&& fn) {
   return {};
 }
 
-inline bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
-
 inline long long ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                t0)
       .count();
+}
+
+// This worker's RRef counter `key` (one of get_debug_info()'s num_* entries).
+inline int rref_counter(const char* key) {
+  return std::stoi(distrpc::get_debug_info().at(key));
+}
+
+// Polls `pred` every 5 ms until it holds or `limit` passes; whether it held.
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// PyTorch's wait_until_pending_futures_and_users_flushed(): no pending future or user RRef here.
+inline bool rref_flushed() {
+  return eventually([] {
+    return rref_counter("num_pending_futures") == 0 && rref_counter("num_pending_users") == 0;
+  });
 }
 
 // Runs fn, expecting an exception whose dynamic type is exactly E and whose text has `text`.

@@ -26,13 +26,23 @@
 #include "distrpc/log.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/message.hpp"
+#include "support/error_text.hpp"
 
 namespace distrpc::testing {
 
 using namespace std::chrono_literals;
 
-inline bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
+// The text of what fn() threw, checking the exception's exact type.
+template <class E, class Fn>
+std::string thrown_exactly(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    CHECK_MESSAGE(typeid(e) == typeid(E), "threw " << typeid(e).name() << ": " << e.what());
+    return e.what();
+  }
+  FAIL_CHECK("nothing was thrown");
+  return {};
 }
 
 // What a Context reported, for the test thread to wait on.
@@ -141,6 +151,28 @@ inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() != b.numel()) return false;
   return a.numel() == 0 ||
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel())) == 0;
+}
+
+// The good peer still works both ways, a tensor included: proves that one bad connection or
+// record did not take the transport down.
+template <class N>
+void check_still_works(N& a, N& b, std::uint64_t id) {
+  const std::size_t before_a = a.inbox.message_count();
+  const std::size_t before_b = b.inbox.message_count();
+  b.ctx->send(0, make_message(wire::MessageType::Request, id, "still-alive"));
+  a.ctx->send(
+      1, make_message(wire::MessageType::Response, id, "still-alive", {pattern_bytes(100000, 5)}));
+  REQUIRE(a.inbox.wait_messages(before_a + 1));
+  REQUIRE(b.inbox.wait_messages(before_b + 1));
+  {
+    std::lock_guard<std::mutex> lk(a.inbox.mu);
+    CHECK(a.inbox.messages.back().first == 1);
+    CHECK(a.inbox.messages.back().second.id == id);
+    CHECK(a.inbox.messages.back().second.payload == "still-alive");
+  }
+  std::lock_guard<std::mutex> lk(b.inbox.mu);
+  CHECK(b.inbox.messages.back().first == 0);
+  CHECK(same_bytes(b.inbox.messages.back().second.buffers.at(0), pattern_bytes(100000, 5)));
 }
 
 // Every diagnostic written while alive (a user sink, whatever the default routing is): for the
