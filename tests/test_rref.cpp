@@ -1049,9 +1049,10 @@ DISTRPC_MP_TEST("rref: deletes of dropped user RRefs go in batches, and soon", 2
     const int messages = rref_counter("num_user_delete_messages") - messages0;
     CHECK(messages >= 2);
 #ifdef DISTRPC_UNDER_TSAN  // net/handoff.hpp
-    // Under ThreadSanitizer clear() itself outlasts the delay: the last 44 leave in a few more
-    // (still batched) messages. Measured: 7.
-    CHECK(messages <= 12);
+    // Under ThreadSanitizer clear() itself outlasts the delay, as many times as the machine's load
+    // makes it: the last 44 leave in more messages, still batched (measured: 7, then 16 on a
+    // loaded machine). At least 10 deletes a message on average.
+    CHECK(messages <= 30);
 #else
     CHECK(messages <= 4);
 #endif
