@@ -33,8 +33,8 @@
 #include "support/error_text.hpp"
 #include "support/fresh_url.hpp"
 
+using distrpc::testing::error_text;
 using distrpc::testing::fresh_file_url;
-using distrpc::testing::thrown_text;
 
 using namespace std::chrono_literals;
 using distrpc::RpcGroup;
@@ -265,11 +265,13 @@ TEST_CASE("declare: calls through declarations, on a worker that serves only wha
     CHECK(p.y == 1);
   }
   // The same name with another signature: refused on the callee, naming both.
-  CHECK(thrown_text([&] { (void)client.rpc_sync<decl_test::add_i64>("server", a, 3); }) ==
+  CHECK(error_text<std::exception>(
+            [&] { (void)client.rpc_sync<decl_test::add_i64>("server", a, 3); }) ==
         "signature mismatch: function 'decl_test.add' has signature Tensor(Tensor, Tensor) on "
         "WorkerInfo(id=0, name=server), but the caller's declaration is Tensor(Tensor, i64)");
   // Declared, exposed nowhere.
-  CHECK(thrown_text([&] { client.rpc_sync<decl_test::nobody>("server", std::string("x")); }) ==
+  CHECK(error_text<std::exception>(
+            [&] { client.rpc_sync<decl_test::nobody>("server", std::string("x")); }) ==
         "function 'decl_test.nobody' is not registered on WorkerInfo(id=0, name=server): expose "
         "it there (DISTRPC_EXPOSE(stub, &impl) for a DISTRPC_REMOTE declaration, "
         "DISTRPC_REGISTER(f) for a function called as rpc_sync<&f>) or build both sides from the "

@@ -31,8 +31,8 @@
 #include "support/error_text.hpp"
 #include "support/fresh_url.hpp"
 
+using distrpc::testing::error_text;
 using distrpc::testing::fresh_file_url;
-using distrpc::testing::thrown_text;
 
 using namespace std::chrono_literals;
 using distrpc::RpcGroup;
@@ -120,11 +120,11 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   // What the callee's registry does not hold is refused there, even though this process
   // registered it elsewhere (the call site registers into the process's registry).
   const std::string refused =
-      thrown_text([&] { (void)trainer.rpc_sync<&group_test::negate>("ps", 3); });
+      error_text<std::exception>([&] { (void)trainer.rpc_sync<&group_test::negate>("ps", 3); });
   CHECK(refused.find("function 'group_test::negate' is not registered on WorkerInfo(id=0, "
                      "name=ps)") != std::string::npos);
   const std::string refused_back =
-      thrown_text([&] { (void)ps.rpc_sync<&group_test::mul>("trainer", x, x); });
+      error_text<std::exception>([&] { (void)ps.rpc_sync<&group_test::mul>("trainer", x, x); });
   CHECK(refused_back.find("function 'group_test::mul' is not registered on WorkerInfo(id=1, "
                           "name=trainer)") != std::string::npos);
 
@@ -132,7 +132,7 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   // callee allows.
   auto sum = trainer.rpc_sync("ps", "aten::add.Tensor", {at::ones({2}), at::ones({2})});
   CHECK(at::equal(sum.toTensor(), at::full({2}, 2.0f)));
-  CHECK(thrown_text([&] {
+  CHECK(error_text<std::exception>([&] {
           (void)trainer.rpc_sync("ps", "aten::mul.Tensor", {x, x});
         }) ==
         "builtin operator 'aten::mul.Tensor' is not allowed on WorkerInfo(id=0, name=ps): a "
@@ -147,7 +147,7 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
   CHECK(mine == std::map<std::string, int>{{"ps", 10}, {"trainer", 11}});
 
   // The free functions on this thread have no agent until use() names one.
-  CHECK(thrown_text([] {
+  CHECK(error_text<std::exception>([] {
           (void)distrpc::get_worker_info();
         }).find("Current RPC agent is not set") != std::string::npos);
   {
@@ -159,16 +159,17 @@ TEST_CASE("RpcGroup: two agents in one process, each serving its own registry") 
     CHECK(r.owner_name() == "ps");
     CHECK(at::equal(r.to_here(), x * x));
   }
-  CHECK(thrown_text([] {
+  CHECK(error_text<std::exception>([] {
           (void)distrpc::get_worker_info();
         }).find("Current RPC agent is not set") != std::string::npos);
 
   shutdown_pair(ps, trainer);
   CHECK(ps.is_shut_down());
-  const std::string after = thrown_text([&] { (void)trainer.rpc_sync<&group_test::whoami>("ps"); });
+  const std::string after =
+      error_text<std::exception>([&] { (void)trainer.rpc_sync<&group_test::whoami>("ps"); });
   CHECK(after ==
         "RPC has not been initialized: the agent was shut down (RpcGroup::shutdown() was called)");
-  CHECK(thrown_text([&] { trainer.shutdown(); }) == after);
+  CHECK(error_text<std::exception>([&] { trainer.shutdown(); }) == after);
 }
 
 TEST_CASE("RpcGroup: a held agent beside the process's init_rpc agent") {
@@ -214,8 +215,8 @@ TEST_CASE("Diagnostics go to the log sink, naming the worker; an empty sink rest
   auto pair = join_pair(registry, registry);
   RpcGroup& ps = pair.first;
   RpcGroup& trainer = pair.second;
-  const std::string error =
-      thrown_text([&] { (void)trainer.rpc_sync<&group_test::fail_loudly>("ps", 7); });
+  const std::string error = error_text<std::exception>(
+      [&] { (void)trainer.rpc_sync<&group_test::fail_loudly>("ps", 7); });
   CHECK(error.find("fail_loudly got 7") != std::string::npos);
   shutdown_pair(ps, trainer);
   distrpc::set_log_sink(nullptr);
@@ -259,14 +260,15 @@ TEST_CASE("Who can call what: serve_exposed_only, and no builtin operators by de
 
   // Exposed with DISTRPC_REGISTER: served. Registered only because this binary calls it: refused.
   CHECK(client.rpc_sync<&group_test::exposed_triple>("server", 5) == 15);
-  CHECK(thrown_text([&] { (void)client.rpc_sync<&group_test::called_only>("server", 5); }) ==
+  CHECK(error_text<std::exception>(
+            [&] { (void)client.rpc_sync<&group_test::called_only>("server", 5); }) ==
         "function 'group_test::called_only' is not exposed on WorkerInfo(id=0, name=server): this "
         "worker serves only the functions it exposes (RpcBackendOptions::serve_exposed_only); "
         "expose it there with DISTRPC_REGISTER(group_test::called_only)");
   // The default worker (the client) serves both.
   CHECK(s.rpc_sync<&group_test::called_only>("client", 5) == 6);
   // No operator by name on a worker that lists none; the library's own functions still work.
-  CHECK(thrown_text([&] {
+  CHECK(error_text<std::exception>([&] {
           (void)client.rpc_sync("server", "aten::add.Tensor", {1, 2});
         })
             .find("builtin operator 'aten::add.Tensor' is not allowed on WorkerInfo(id=0, "
@@ -449,10 +451,10 @@ TEST_CASE("An agent stopped and destroyed while user threads are inside sends") 
   // The bookkeeping held past the agent: every operation fails with the agent's own text or
   // works locally, none reaches the freed agent.
   REQUIRE(rrefs != nullptr);
-  CHECK(thrown_text([&] { (void)user_ref.type_name(); }) ==
+  CHECK(error_text<std::exception>([&] { (void)user_ref.type_name(); }) ==
         "RPC agent of WorkerInfo(id=1, name=trainer) is shut down: type query of " +
             user_ref.str() + " not sent");
-  CHECK(shut_down_text(thrown_text([&] { (void)user_ref.to_here(); })));
+  CHECK(shut_down_text(error_text<std::exception>([&] { (void)user_ref.to_here(); })));
   CHECK(owned_ref.local_value() == 7);
   CHECK(owned_ref.to_here() == 7);
   user_ref = {};  // the user RRef's destructor: nothing is sent, nothing is touched

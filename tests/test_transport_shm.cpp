@@ -53,10 +53,10 @@ namespace {
 void garble_as_another_process(void* at, std::size_t size) {
 #ifdef DISTRPC_UNDER_TSAN
   __tsan_ignore_thread_begin();
+#endif
   std::memset(at, 0x5a, size);
+#ifdef DISTRPC_UNDER_TSAN
   __tsan_ignore_thread_end();
-#else
-  std::memset(at, 0x5a, size);
 #endif
 }
 

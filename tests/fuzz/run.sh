@@ -114,8 +114,8 @@ fi
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-halt_on_error=1:abort_on_error=1:print_stacktrace=1}"
-# fuzz_one TARGET: replays TARGET's regression inputs, then fuzzes it; its one-line result (and
-# report on failure) goes to build-fuzz/work/TARGET/result, its status to .../rc.
+# fuzz_one TARGET: replays TARGET's regression inputs, then fuzzes it; its result line (ending in
+# ": ok" when it passed) and, on failure, the report go to build-fuzz/work/TARGET/result.
 fuzz_one() {
   local t="$1"
   local exe="$root/$build/$t"
@@ -129,7 +129,6 @@ fuzz_one() {
     if ! "$exe" "${regress[@]}" >"$work/regress.log" 2>&1; then
       { echo "$t: a regression input crashes again (${#regress[@]} replayed): FAILED"
         tail -60 "$work/regress.log"; } >"$out"
-      echo 1 >"$work/rc"
       return
     fi
   fi
@@ -154,7 +153,6 @@ fuzz_one() {
   for a in "${artifacts[@]}"; do [ -e "$a" ] && found="$a" && break; done
   if [ $rc -eq 0 ] && [ -z "$found" ]; then
     echo "$t: $summary: ok" >"$out"
-    echo 0 >"$work/rc"
     return
   fi
   {
@@ -169,7 +167,6 @@ fuzz_one() {
     grep -vE '^#[0-9]+' "$log" | tail -60
     echo "---- end of $t report ----"
   } >"$out"
-  echo 1 >"$work/rc"
 }
 
 # The targets run DISTRPC_JOBS at a time (each is single-threaded and gets the full time on its
@@ -182,8 +179,9 @@ wait
 passed=0
 failed=0
 for t in "${targets[@]}"; do
-  cat "$root/$build/work/$t/result" 2>/dev/null || echo "$t: no result: FAILED"
-  if [ "$(cat "$root/$build/work/$t/rc" 2>/dev/null)" = 0 ]; then
+  result="$root/$build/work/$t/result"
+  cat "$result" 2>/dev/null || echo "$t: no result: FAILED"
+  if head -1 "$result" 2>/dev/null | grep -q ': ok$'; then
     passed=$((passed + 1))
   else
     failed=$((failed + 1))

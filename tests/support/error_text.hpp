@@ -7,17 +7,6 @@
 
 namespace distrpc::testing {
 
-// thrown_text(fn): the text of whatever std::exception fn() throws, or "(no error)".
-template <class Fn>
-std::string thrown_text(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
