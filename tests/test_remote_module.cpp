@@ -468,15 +468,15 @@ DISTRPC_MP_TEST(
 // The device part: worker0 has a device map towards worker1, worker1 none towards worker0; each
 // puts a probe module on the other's meta device. Arguments must arrive on meta; a result holding
 // a meta tensor is moved to the CPU without a device map (which meta refuses: "Cannot copy out of
-// meta tensor") and returned as it is with one (which the wire refuses: "only CPU tensors are
-// supported").
+// meta tensor") and returned as it is with one (which the owner refuses to send: its response
+// route, the inverse of worker0's map, has no entry for meta).
 
 DISTRPC_MP_TEST(
     "remote module: several arguments, tuple results, 100 forward_async in flight, "
     "handles dropped mid-call; non-CPU device (meta) with and without a device map",
     2, 60) {
   RpcBackendOptions o;
-  if (ctx.rank == 0) o.device_maps["worker1"]["cpu"] = "cpu";
+  if (ctx.rank == 0) o.set_device_map("worker1", {{"cpu", "cpu"}});
   init(ctx, o);
   const int peer = 1 - ctx.rank;
   auto rm = RemoteModule<PartsInterface>::create<PartsModule>(wname(peer) + "/cpu");
@@ -522,7 +522,8 @@ DISTRPC_MP_TEST(
   CHECK(at::equal(out, at::ones({2})));
   const std::string err = error_of([&] { probe.forward(at::ones({2}), {at::ones({1})}, true); });
   if (ctx.rank == 0) {
-    CHECK_MESSAGE(contains(err, "only CPU tensors are supported"), err);
+    CHECK_MESSAGE(contains(err, "Response device mapping is not available for destination worker0"),
+                  err);
   } else {
     CHECK_MESSAGE(contains(err, "Cannot copy out of meta tensor"), err);
   }

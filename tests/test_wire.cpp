@@ -526,10 +526,55 @@ TEST_CASE("wire: Scalar, ScalarType, Layout, MemoryFormat and Device") {
   CHECK_ERROR(wire::DecodeError, wire::decode(m, out), "ScalarType value 99 out of range");
 }
 
+namespace {
+// A route as the agent sets one: CPU tensors go to `to`, anything else is refused.
+struct CpuRoute final : wire::DeviceRoute {
+  c10::Device to;
+  explicit CpuRoute(c10::Device d) : to(d) {}
+  c10::Device target(c10::Device from) const override {
+    if (from.is_cpu()) return to;
+    throw wire::EncodeError("no route for " + from.str());
+  }
+};
+}  // namespace
+
+TEST_CASE("wire: a device route decides each tensor's recorded device; the receiver checks it") {
+  const at::Tensor t = at::arange(4, at::kFloat);
+  {
+    // The identity route: the record says CPU and the tensor arrives as it left.
+    CpuRoute cpu(c10::Device(c10::kCPU));
+    wire::DeviceRouteScope scope(&cpu);
+    const wire::Message m = encode_tensor(t);
+    CHECK(static_cast<int>(m.payload[kDevType]) == 0);
+    CHECK(static_cast<int>(m.payload[kDevType + 1]) == -1);
+    at::Tensor back;
+    wire::decode(m, back);
+    CHECK(at::equal(back, t));
+    // The route refuses what it has no entry for, with its own text.
+    CHECK_ERROR(wire::EncodeError, encode_tensor(at::empty({2}, at::device(at::kMeta))),
+                "no route for meta");
+  }
+  {
+    CpuRoute far(c10::Device(c10::kCUDA, 100));
+    wire::DeviceRouteScope scope(&far);
+    const wire::Message m = encode_tensor(t.clone().requires_grad_());
+    CHECK(static_cast<int>(m.payload[kDevType]) == 1);
+    CHECK(static_cast<int>(m.payload[kDevType + 1]) == 100);
+    at::Tensor back;
+    CHECK_ERROR(wire::DecodeError, wire::decode(m, back), "tensor recorded for cuda:100");
+    // A sparse tensor's indices and values carry the route's device too.
+    const wire::Message sparse = encode_tensor(at::eye(3).to_sparse());
+    CHECK_ERROR(wire::DecodeError, wire::decode(sparse, back), "tensor recorded for cuda:100");
+  }
+  // The scope restored "no route": CPU only, the codec's own text.
+  CHECK_ERROR(wire::EncodeError, encode_tensor(at::empty({2}, at::device(at::kMeta))),
+              "only CPU tensors can be sent without a device map (device meta)");
+}
+
 TEST_CASE("wire: values that cannot be sent are refused with their name") {
   wire::Message m;
   CHECK_ERROR(wire::EncodeError, wire::encode(m, at::empty({2}, at::device(at::kMeta))),
-              "only CPU tensors are supported by the wire format (device meta)");
+              "only CPU tensors can be sent without a device map (device meta)");
   CHECK_ERROR(wire::EncodeError,
               wire::encode(m, at::quantize_per_tensor(at::ones({2}), 0.1, 0, at::kQInt8)),
               "quantized tensors are not supported (dtype QInt8)");
@@ -855,7 +900,16 @@ TEST_CASE("wire: malformed tensor records are decode errors with a reason") {
   CHECK_ERROR(wire::DecodeError, decode_patched(kDtype, 99, 1), "unknown tensor dtype code 99");
   CHECK_ERROR(wire::DecodeError, decode_patched(kDtype, 12, 1), "unknown tensor dtype code 12");
   CHECK_ERROR(wire::DecodeError, decode_patched(kFlags, 0x80, 1), "flags 128 has unknown bits");
-  CHECK_ERROR(wire::DecodeError, decode_patched(kDevType, 1, 1), "only CPU tensors");
+  CHECK_ERROR(wire::DecodeError, decode_patched(kDevType, 1, 1),
+              "tensor recorded on device type 1 index -1: only CPU (type 0, index -1 or 0) and "
+              "CUDA (type 1, index >= 0) tensors are supported");
+  CHECK_ERROR(wire::DecodeError, decode_patched(kDevType, 2 | (0 << 8), 2),
+              "device type 2 index 0");
+  // CUDA index 100: no machine has it.
+  const std::string no_such_gpu = "tensor recorded for cuda:100, but this worker has " +
+                                  std::to_string(distrpc::compat::cuda_device_count()) +
+                                  " CUDA device(s)";
+  CHECK_ERROR(wire::DecodeError, decode_patched(kDevType, 1 | (100 << 8), 2), no_such_gpu.c_str());
   CHECK_ERROR(wire::DecodeError, decode_patched(kNdim, 200, 1), "200 dimensions");
   CHECK_ERROR(wire::DecodeError, decode_patched(kSize0, 5, 8), "reaches outside buffer 0 of 16");
   CHECK_ERROR(wire::DecodeError, decode_patched(kSize0, ~0ULL, 8), "negative values");

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "distrpc/agent/call_table.hpp"
+#include "distrpc/agent/device_routes.hpp"
 #include "distrpc/agent/extension.hpp"
 #include "distrpc/agent/gather_table.hpp"
 #include "distrpc/agent/membership.hpp"
@@ -231,8 +232,12 @@ class RpcAgent : public AgentServices,
   // RRefs among the arguments are forked to `dst`). Returns what undoes the layers' work if the
   // message is never sent: empty when there is nothing to undo. If encode() throws, the layers
   // undo their part.
-  std::function<void()> encode_for(int dst, const CallAttachments& sent,
-                                   FunctionRef<void()> encode) {
+  // Its tensors follow `device_map` when given and not empty, else this worker's map towards
+  // `dst` (device_routes.hpp).
+  std::function<void()> encode_for(int dst, const CallAttachments& sent, FunctionRef<void()> encode,
+                                   const DeviceMap* device_map = nullptr) {
+    const auto route = device_routes_.request(dst, device_map, members_);
+    wire::DeviceRouteScope in_route(&route);
     std::vector<std::function<void()>> undo;
     encode_in_layers(0, dst, sent, encode, undo);
     if (undo.empty()) return {};
@@ -246,7 +251,10 @@ class RpcAgent : public AgentServices,
     decode_in_layers(0, from, sent, decode);
   }
   // Encodes the reply to a request from `peer` that carried `got` inside every layer's scope.
+  // Its tensors go back through the inverse of the caller's device map to this worker.
   void encode_reply(int peer, const CallAttachments& got, FunctionRef<void()> encode) {
+    const auto route = device_routes_.response(peer, members_);
+    wire::DeviceRouteScope in_route(&route);
     encode_reply_in_layers(0, peer, got, encode);
   }
 
@@ -259,18 +267,34 @@ class RpcAgent : public AgentServices,
   // The store the group met through; kept for the exit barrier of a graceful shutdown.
   void set_store(std::shared_ptr<store::Store> s) { members_.set_store(std::move(s)); }
 
-  // Publishes this worker in the store, reads everyone else's entry, validates the group and
-  // connects the transport to every peer; then runs the requests that arrived meanwhile.
+  // Publishes this worker in the store (with its device maps), reads everyone else's entry,
+  // validates the group (names, then every worker's device maps: all fail alike) and connects the
+  // transport to every peer; then runs the requests that arrived meanwhile.
   void join_group() {
-    const auto addrs = members_.meet(transport_address(), options_.init_timeout);
+    const NodeDevices mine =
+        detail::DeviceRoutes::own_entry(self().name, options_.device_maps, options_.devices);
+    const auto met = members_.meet(
+        transport_address(), options_.init_timeout, mine.serialize(),
+        [&](const std::vector<WorkerInfo>& all, const std::vector<std::string>& entries) {
+          std::vector<NodeDevices> nodes;
+          for (std::size_t r = 0; r < all.size(); ++r) {
+            nodes.push_back(NodeDevices::parse(all[r].name, entries[r]));
+          }
+          device_routes_.set(std::move(nodes), self().id);
+        });
     const auto all = members_.workers();
     for (const auto& w : all) {
       if (w.id != self().id) {
-        transport_add_peer(w.id, w.name, addrs[static_cast<std::size_t>(w.id)]);
+        transport_add_peer(w.id, w.name, met.addresses[static_cast<std::size_t>(w.id)]);
       }
     }
     open_for_requests();
   }
+
+  // This worker's device map towards `to` (empty: none), and the CUDA devices it uses: those
+  // set, else those its own and its peers' maps name for it.
+  DeviceMap device_map(const WorkerInfo& to) const { return device_routes_.map_to(to.id); }
+  const std::vector<DeviceName>& devices() const { return device_routes_.devices(); }
 
   // The worker table is read: the requests held until now run, later ones run as they come.
   void open_for_requests() {
@@ -997,6 +1021,8 @@ class RpcAgent : public AgentServices,
 
   detail::Membership members_;
   const RpcBackendOptions options_;
+  // Set once the static group has met, before any request is served; read-only afterwards.
+  detail::DeviceRoutes device_routes_;
   std::atomic<milliseconds> default_timeout_;
   const std::shared_ptr<const Registry> registry_;
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "distrpc/bounded_thread.hpp"
+#include "distrpc/device_map.hpp"
 #include "distrpc/tls_options.hpp"
 
 namespace distrpc {
@@ -62,8 +63,32 @@ struct RpcBackendOptions {
   // still inside user code after that are abandoned (detached), so shutdown never hangs on a
   // handler that never returns; 0 abandons them at once (docs/threading.md, "Bounded shutdown").
   std::chrono::milliseconds shutdown_grace = kDefaultShutdownGrace;
-  // device_maps[worker][src] = dst, for CUDA tensors (see docs/rpc.md).
-  std::map<std::string, std::map<std::string, std::string>> device_maps;
+  // device_maps[worker][src] = dst: a tensor on local device src sent to `worker` arrives on its
+  // device dst, and its responses' tensors come back through the inverse map. Without an entry
+  // only CPU tensors may be sent. Checked across the whole group when it meets (docs/cuda.md).
+  std::map<std::string, DeviceMap> device_maps;
+  // The CUDA devices this worker uses; empty: those its maps and its peers' maps name.
+  std::vector<DeviceName> devices;
+
+  // Merges `map` into device_maps[worker]: set_device_map("worker1", {{0, 1}}) sends cuda:0's
+  // tensors to worker1's cuda:1. A source already mapped to another target is refused ("only
+  // supports 1-to-1 mapping"), as is a negative index.
+  void set_device_map(const std::string& worker,
+                      std::initializer_list<std::pair<DeviceSpec, DeviceSpec>> map) {
+    merge_device_map(device_maps[worker], make_device_map(map, "`set_device_map`"));
+  }
+  // Replaces `devices`; CUDA devices only, as in PyTorch.
+  void set_devices(std::initializer_list<DeviceSpec> list) {
+    std::vector<DeviceName> out;
+    for (const auto& d : list) {
+      if (d.device.is_cpu()) {
+        throw std::invalid_argument(
+            "`set_devices` expect a list of CUDA devices, but got device type cpu.");
+      }
+      out.push_back(d.device);
+    }
+    devices = std::move(out);
+  }
   // What peers may run here (docs/rpc.md, "Who can call what"). false (SPMD programs): every
   // registered function, also those registered because this binary calls them. true: only the
   // functions exposed explicitly (DISTRPC_REGISTER, Registry::add) and the library's own.

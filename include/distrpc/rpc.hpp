@@ -153,6 +153,16 @@ inline std::chrono::milliseconds get_rpc_timeout() {
 inline void set_rpc_timeout(std::chrono::milliseconds t) {
   detail::current_agent()->set_default_timeout(t);
 }
+// This worker's device map towards `to` (empty: none), as the group accepted it.
+inline DeviceMap get_device_map(const Destination& to) {
+  auto agent = detail::current_agent();
+  return agent->device_map(to.resolve(*agent));
+}
+// The CUDA devices this worker uses: RpcBackendOptions::devices, else those the group's device
+// maps name for it.
+inline std::vector<DeviceName> get_devices() {
+  return detail::current_agent()->devices();
+}
 inline std::map<std::string, std::string> get_debug_info() {
   return detail::current_agent()->debug_info();
 }
@@ -230,10 +240,9 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
 // group in one process, as tests do), beside or instead of the one init_rpc() starts.
 //
 //   auto registry = std::make_shared<distrpc::Registry>();
-//   registry->add<&add>();                      // what this agent serves (default: DISTRPC_REGISTER)
-//   auto g = distrpc::RpcGroup::join<distrpc::transport::Tcp>("ps", 0, 2, opts, registry);
-//   at::Tensor y = g.rpc_sync<&mul>("trainer", x, x);
-//   g.shutdown();
+//   registry->add<&add>();                      // what this agent serves (default:
+//   DISTRPC_REGISTER) auto g = distrpc::RpcGroup::join<distrpc::transport::Tcp>("ps", 0, 2, opts,
+//   registry); at::Tensor y = g.rpc_sync<&mul>("trainer", x, x); g.shutdown();
 //
 // Handlers and callbacks run for the agent that runs them: inside them the free functions
 // (rpc_sync, remote, RRef(value), ...) use that agent. On a thread of the program, use() makes
@@ -305,8 +314,8 @@ class RpcGroup {
     const auto current = use();
     return ::distrpc::rpc_async(to, op, std::move(args), opts);
   }
-  c10::IValue rpc_sync(const Destination& to, const std::string& op,
-                       std::vector<c10::IValue> args, CallOptions opts = {}) const {
+  c10::IValue rpc_sync(const Destination& to, const std::string& op, std::vector<c10::IValue> args,
+                       CallOptions opts = {}) const {
     const auto current = use();
     return ::distrpc::rpc_sync(to, op, std::move(args), opts);
   }

@@ -227,8 +227,9 @@ class RRef {
       auto agent = detail::current_agent();
       const WorkerInfo dst = agent->worker(owner());
       auto packed = std::make_tuple(*this, std::decay_t<A>(std::forward<A>(args))...);
-      auto reply = detail::send_packed(agent, dst, agent->effective_timeout(opts.timeout),
-                                       header_of(e), packed, "call to '" + e.proxy_name + "'");
+      auto reply =
+          detail::send_packed(agent, dst, agent->effective_timeout(opts.timeout), header_of(e),
+                              packed, "call to '" + e.proxy_name + "'", &opts.device_map);
       auto typed = detail::decode_reply<R>(reply, agent, dst.id);
       detail::register_in_scope(typed);
       return typed;
@@ -495,7 +496,7 @@ RRef<R> remote_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& 
   Future<wire::Message> reply;
   std::exception_ptr encode_error;
   try {
-    reply = send_packed(agent, dst, timeout, header, packed, what).reply;
+    reply = send_packed(agent, dst, timeout, header, packed, what, &opts.device_map).reply;
   } catch (...) {
     encode_error = std::current_exception();
     reply = make_exceptional_future<wire::Message>(encode_error);

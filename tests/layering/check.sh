@@ -12,7 +12,8 @@ layer_of() {
     distrpc/future.hpp | distrpc/error.hpp | distrpc/rpc_error.hpp | distrpc/worker_info.hpp | \
       distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
       distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | \
-      distrpc/log_c10.hpp | distrpc/tls_options.hpp) echo 0 ;;                                          # values
+      distrpc/log_c10.hpp | distrpc/tls_options.hpp | distrpc/device_map.hpp | \
+      distrpc/torch_compat.hpp) echo 0 ;;                                          # values
     distrpc/net/* | distrpc/launch.hpp) echo 1 ;;                             # net (OS helpers)
     distrpc/wire.hpp | distrpc/wire/*) echo 2 ;;                              # wire
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store

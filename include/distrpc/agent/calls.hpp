@@ -41,10 +41,19 @@ class Destination {
 struct CallOptions {
   // kUnsetRpcTimeout: the agent's default at the moment of the call; 0: no limit.
   std::chrono::milliseconds timeout = kUnsetRpcTimeout;
+  // Non-empty: this request's tensors follow this map instead of RpcBackendOptions::device_maps
+  // (checked like those). The response comes back through the inverse of the configured map.
+  DeviceMap device_map = {};
 };
 
 inline CallOptions with_timeout(std::chrono::milliseconds t) {
   return CallOptions{t};
+}
+// A call whose request tensors follow `map`: rpc_sync<f>("worker1", with_device_map({{0, 1}}), x).
+inline CallOptions with_device_map(std::initializer_list<std::pair<DeviceSpec, DeviceSpec>> map) {
+  CallOptions o;
+  o.device_map = make_device_map(map, "`with_device_map`");
+  return o;
 }
 
 namespace detail {
@@ -163,11 +172,11 @@ struct call_identity<F, true> {
 template <class Packed>
 SentCall send_packed(const std::shared_ptr<RpcAgent>& agent, const WorkerInfo& dst,
                      std::chrono::milliseconds timeout, RequestHeader header, const Packed& packed,
-                     const std::string& what) {
+                     const std::string& what, const DeviceMap* device_map = nullptr) {
   if (!header.internal) header.attachments = agent->attach(dst.id);
   wire::Message m;
-  std::function<void()> undo =
-      agent->encode_for(dst.id, header.attachments, [&] { wire::encode(m, header, packed); });
+  std::function<void()> undo = agent->encode_for(
+      dst.id, header.attachments, [&] { wire::encode(m, header, packed); }, device_map);
   auto reply = agent->call(dst, std::move(m), timeout, header.internal, what,
                            wire::MessageType::Request, undo);
   return SentCall{std::move(reply), std::move(header.attachments)};
@@ -185,7 +194,7 @@ SentCall send_named_call(const std::shared_ptr<RpcAgent>& agent, const WorkerInf
   RequestHeader h = Id::header();
   h.internal = internal;
   return send_packed(agent, dst, timeout, h, packed,
-                     what.empty() ? "call to '" + h.name + "'" : what);
+                     what.empty() ? "call to '" + h.name + "'" : what, &opts.device_map);
 }
 
 template <auto F, class... A>

@@ -269,6 +269,13 @@ std::shared_ptr<RpcAgent> start_dynamic_agent(const std::string& name, int rank,
                                               const RpcBackendOptions& options,
                                               std::shared_ptr<const Registry> registry) {
   check_agent_options(name, options, registry);
+  // Device maps are checked across the group when a static group meets; a dynamic group has no
+  // moment when everyone's are known.
+  if (!options.device_maps.empty() || !options.devices.empty()) {
+    throw std::invalid_argument(
+        "device maps and devices are not supported in a dynamic group (init_rpc without a world "
+        "size): only CPU tensors can be sent there");
+  }
   auto rdzv = store::rendezvous_dynamic(options.init_method, rank, options.init_timeout,
                                         options.auth_token, options.tls);
   auto agent = make_agent<T>(name, rdzv, options, std::move(registry));

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -160,51 +161,67 @@ class Membership {
   const std::shared_ptr<store::Store>& store() const { return store_; }
   void drop_store() { store_.reset(); }
 
-  // Publishes this worker (its name and transport `address`), reads everyone's entry, validates
-  // the table and keeps it. Returns every rank's address.
-  std::vector<std::string> meet(const std::string& address, milliseconds timeout) {
+  // What meet() read: every rank's transport address and the `extra` text it published.
+  struct MeetResult {
+    std::vector<std::string> addresses;
+    std::vector<std::string> extras;
+  };
+
+  // Publishes this worker (its name, transport `address` and an `extra` text for the layers: its
+  // device maps), reads everyone's entry, validates the table (unique names, then `check` on the
+  // extras) and keeps it. Every rank reads the same table, so a check that fails fails alike on
+  // every rank: init is all or nothing.
+  MeetResult meet(const std::string& address, milliseconds timeout, const std::string& extra = {},
+                  const std::function<void(const std::vector<WorkerInfo>&,
+                                           const std::vector<std::string>&)>& check = {}) {
     auto& st = *store_;
     claim_mode("static");
-    st.set(key("worker/" + std::to_string(self_.id)), self_.name + "\n" + address);
+    st.set(key("worker/" + std::to_string(self_.id)), self_.name + "\n" + address + "\n" + extra);
     std::vector<std::string> keys;
     for (int r = 0; r < world_size_; ++r) keys.push_back(key("worker/" + std::to_string(r)));
     st.wait(keys, timeout);
     std::vector<WorkerInfo> all;
-    std::vector<std::string> addrs;
+    MeetResult out;
     for (int r = 0; r < world_size_; ++r) {
       const std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
       const auto nl = v.find('\n');
-      if (nl == std::string::npos) {
+      const auto nl2 = nl == std::string::npos ? nl : v.find('\n', nl + 1);
+      if (nl2 == std::string::npos) {
         throw RpcError("malformed worker entry for rank " + std::to_string(r) + " in the store");
       }
       all.push_back(WorkerInfo{r, v.substr(0, nl)});
-      addrs.push_back(v.substr(nl + 1));
+      out.addresses.push_back(v.substr(nl + 1, nl2 - nl - 1));
+      out.extras.push_back(v.substr(nl2 + 1));
     }
-    // Every rank reads the same table, so every rank reports the same duplicate.
-    std::map<std::string, int> seen;
-    for (const auto& w : all) {
-      auto [it, fresh] = seen.emplace(w.name, w.id);
-      if (!fresh) {
-        // Every rank fails alike; rank 0 hosts the store server, so it waits until everyone has
-        // read the table before it fails (and the server goes away).
-        st.add(key("table_read"), 1);
-        if (self_.id == 0) {
-          const auto deadline = Clock::now() + timeout;
-          while (st.add(key("table_read"), 0) < world_size_ && Clock::now() < deadline) {
-            std::this_thread::sleep_for(milliseconds(1));
-          }
+    try {
+      std::map<std::string, int> seen;
+      for (const auto& w : all) {
+        auto [it, fresh] = seen.emplace(w.name, w.id);
+        if (!fresh) {
+          throw RpcError("Worker name '" + w.name + "' is not unique: ranks " +
+                         std::to_string(it->second) + " and " + std::to_string(w.id) +
+                         " both use it (seen on rank " + std::to_string(self_.id) + ")");
         }
-        throw RpcError("Worker name '" + w.name + "' is not unique: ranks " +
-                       std::to_string(it->second) + " and " + std::to_string(w.id) +
-                       " both use it (seen on rank " + std::to_string(self_.id) + ")");
       }
+      if (check) check(all, out.extras);
+    } catch (...) {
+      // Every rank fails alike; rank 0 hosts the store server, so it waits until everyone has
+      // read the table before it fails (and the server goes away).
+      st.add(key("table_read"), 1);
+      if (self_.id == 0) {
+        const auto deadline = Clock::now() + timeout;
+        while (st.add(key("table_read"), 0) < world_size_ && Clock::now() < deadline) {
+          std::this_thread::sleep_for(milliseconds(1));
+        }
+      }
+      throw;
     }
     std::lock_guard<std::mutex> lk(mu_);
     for (const auto& w : all) {
       workers_[w.id] = w;
       by_name_[w.name] = w.id;
     }
-    return addrs;
+    return out;
   }
 
   // ---- a dynamic group ---------------------------------------------------------------------

@@ -5,7 +5,9 @@
 // Record layouts: docs/wire-protocol.md, "Tensor records".
 #pragma once
 
+#include <distrpc/torch_compat.hpp>
 #include <distrpc/wire/archive.hpp>
+#include <distrpc/wire/device_route.hpp>
 #include <distrpc/wire/tensor_observer.hpp>
 
 #include <ATen/ATen.h>
@@ -37,6 +39,7 @@ inline constexpr std::uint8_t kFlagConj = 2;
 inline constexpr std::uint8_t kFlagNeg = 4;
 inline constexpr std::uint8_t kFlagCoalesced = 8;  // sparse records only
 inline constexpr std::uint8_t kDeviceTypeCpu = 0;
+inline constexpr std::uint8_t kDeviceTypeCuda = 1;
 inline constexpr std::uint32_t kNoBuffer = 0xFFFFFFFFu;
 inline constexpr std::size_t kMaxTensorDims = 64;
 
@@ -73,12 +76,19 @@ inline std::string layout_name(at::Layout layout) {
   return s.str();
 }
 
-inline void check_sendable(const at::Tensor& t) {
+// The device the receiver puts `t` on: the route's answer, or the CPU for a CPU tensor when this
+// thread has no route.
+inline c10::Device target_device(const at::Tensor& t) {
+  if (tls_device_route != nullptr) return tls_device_route->target(t.device());
   if (!t.device().is_cpu()) {
     throw EncodeError(
-        "cannot encode tensor: only CPU tensors are supported by the wire format (device " +
+        "cannot encode tensor: only CPU tensors can be sent without a device map (device " +
         t.device().str() + ")");
   }
+  return c10::Device(c10::kCPU);
+}
+
+inline void check_sendable(const at::Tensor& t) {
   if (t.is_nested()) {
     throw EncodeError("cannot encode tensor: nested tensors are not supported");
   }
@@ -124,7 +134,9 @@ inline at::Tensor byte_view(const c10::Storage& storage, std::int64_t byte_offse
 // Body of a strided record (after the kind byte):
 //   u8 dtype | u8 flags | u8 device type | i8 device index | u8 ndim | i64 sizes[ndim] |
 //   i64 strides[ndim] | i64 storage offset (elements, into the buffer) | u32 buffer index
-inline void write_strided_body(OutputArchive& ar, const at::Tensor& src, bool requires_grad) {
+// `src` is on the CPU; `target` is where the receiver puts it.
+inline void write_strided_body(OutputArchive& ar, const at::Tensor& src, bool requires_grad,
+                               c10::Device target) {
   // ZeroTensors (autograd's lazily materialised zeros) have no memory to point at.
   const at::Tensor t = src._is_zerotensor() ? at::zeros(src.sizes(), src.options()) : src;
   const auto code = dtype_code(t.scalar_type());
@@ -152,8 +164,8 @@ inline void write_strided_body(OutputArchive& ar, const at::Tensor& src, bool re
   char* p = ar.append_uninitialized(5 + 16 * ndim + 12);
   p[0] = static_cast<char>(*code);
   p[1] = static_cast<char>(flags);
-  p[2] = static_cast<char>(kDeviceTypeCpu);
-  p[3] = static_cast<char>(-1);
+  p[2] = static_cast<char>(target.is_cpu() ? kDeviceTypeCpu : kDeviceTypeCuda);
+  p[3] = static_cast<char>(target.is_cpu() ? -1 : target.index());
   p[4] = static_cast<char>(ndim);
   p += 5;
   std::memcpy(p, sizes.data(), 8 * ndim);
@@ -165,7 +177,31 @@ inline void write_strided_body(OutputArchive& ar, const at::Tensor& src, bool re
   std::memcpy(p + 8, &buffer, 4);
 }
 
-inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad) {
+// The device a record names: the CPU, or a CUDA device this process has.
+inline c10::Device read_record_device(InputArchive& ar) {
+  const auto device_type = ar.read<std::uint8_t>();
+  const auto device_index = ar.read<std::int8_t>();
+  if (device_type == kDeviceTypeCpu && (device_index == -1 || device_index == 0)) {
+    return c10::Device(c10::kCPU);
+  }
+  if (device_type == kDeviceTypeCuda && device_index >= 0) {
+    const int count = compat::cuda_device_count();
+    if (device_index >= count) {
+      decode_fail("tensor recorded for cuda:" + std::to_string(device_index) +
+                  ", but this worker has " + std::to_string(count) + " CUDA device(s)");
+    }
+    return c10::Device(c10::kCUDA, device_index);
+  }
+  decode_fail("tensor recorded on device type " + std::to_string(device_type) + " index " +
+              std::to_string(device_index) +
+              ": only CPU (type 0, index -1 or 0) and CUDA (type 1, " +
+              "index >= 0) tensors are supported");
+}
+
+// Reads a strided record. Built over the received CPU bytes; moved to the recorded device when
+// `move` is set, else that device is left in `*device` (a sparse tensor's parts move as one).
+inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, bool move = true,
+                                    c10::Device* device = nullptr) {
   const auto code = ar.read<std::uint8_t>();
   const auto dtype = dtype_from_code(code);
   if (!dtype) decode_fail("unknown tensor dtype code " + std::to_string(code));
@@ -189,12 +225,8 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad) 
   if ((flags & kFlagNeg) != 0 && *dtype == at::kBool) {
     decode_fail("negative bit set on a tensor of dtype Bool");
   }
-  const auto device_type = ar.read<std::uint8_t>();
-  const auto device_index = ar.read<std::int8_t>();
-  if (device_type != kDeviceTypeCpu || device_index < -1 || device_index > 0) {
-    decode_fail("tensor recorded on device type " + std::to_string(device_type) + " index " +
-                std::to_string(device_index) + ": only CPU tensors (type 0) are supported");
-  }
+  const c10::Device target = read_record_device(ar);
+  if (device != nullptr) *device = target;
   const auto ndim = ar.read<std::uint8_t>();
   if (ndim > kMaxTensorDims) {
     decode_fail("tensor with " + std::to_string(ndim) + " dimensions (at most " +
@@ -273,6 +305,8 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad) 
   impl->set_sizes_and_strides(sizes, strides, storage_offset);
   if ((flags & kFlagConj) != 0) impl->_set_conj(true);
   if ((flags & kFlagNeg) != 0) impl->_set_neg(true);
+  // Moved before requires_grad is set: the tensor arrives as a leaf on its device.
+  if (move && !target.is_cpu()) t = t.to(target);
   if (requires_grad) t.set_requires_grad(true);
   return t;
 }
@@ -280,7 +314,7 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad) 
 // Body of a sparse COO record (after the kind byte):
 //   u8 flags | u8 sparse_dim | u8 dense_dim | i64 sizes[sparse_dim + dense_dim] |
 //   strided body of the indices (int64, [sparse_dim, nnz]) | strided body of the values
-inline void write_sparse_body(OutputArchive& ar, const at::Tensor& t) {
+inline void write_sparse_body(OutputArchive& ar, const at::Tensor& t, c10::Device target) {
   const auto sparse_dim = static_cast<std::size_t>(t.sparse_dim());
   const auto dense_dim = static_cast<std::size_t>(t.dense_dim());
   if (sparse_dim + dense_dim > kMaxTensorDims) {
@@ -295,8 +329,8 @@ inline void write_sparse_body(OutputArchive& ar, const at::Tensor& t) {
   p[1] = static_cast<char>(sparse_dim);
   p[2] = static_cast<char>(dense_dim);
   std::memcpy(p + 3, t.sizes().data(), 8 * (sparse_dim + dense_dim));
-  write_strided_body(ar, t._indices(), false);
-  write_strided_body(ar, t._values(), false);
+  write_strided_body(ar, t._indices(), false, target);
+  write_strided_body(ar, t._values(), false, target);
 }
 
 inline at::Tensor read_sparse_body(InputArchive& ar) {
@@ -324,8 +358,14 @@ inline at::Tensor read_sparse_body(InputArchive& ar) {
                   " overflow 64-bit linear indices");
     }
   }
-  at::Tensor indices = read_strided_body(ar, false);
-  at::Tensor values = read_strided_body(ar, false);
+  c10::Device indices_device(c10::kCPU);
+  c10::Device target(c10::kCPU);
+  at::Tensor indices = read_strided_body(ar, false, false, &indices_device);
+  at::Tensor values = read_strided_body(ar, false, false, &target);
+  if (indices_device != target) {
+    decode_fail("sparse indices recorded for " + indices_device.str() + " but values for " +
+                target.str());
+  }
   if (indices.scalar_type() != at::kLong || indices.dim() != 2 ||
       indices.size(0) != static_cast<std::int64_t>(sparse_dim)) {
     decode_fail(std::string("sparse indices must be int64 of shape [") +
@@ -369,6 +409,7 @@ inline at::Tensor read_sparse_body(InputArchive& ar) {
     }
     t._coalesced_(true);
   }
+  if (!target.is_cpu()) t = t.to(target);
   if ((flags & kFlagRequiresGrad) != 0) t.set_requires_grad(true);
   return t;
 }
@@ -393,14 +434,17 @@ inline void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) {
     return;
   }
   detail::check_sendable(t);
+  const c10::Device target = detail::target_device(t);
+  // The bytes travel from host memory: a device tensor is staged through a CPU copy.
+  const at::Tensor host = t.device().is_cpu() ? t : t.cpu();
   switch (t.layout()) {
     case at::kStrided:
       ar.write(static_cast<std::uint8_t>(detail::TensorKind::Strided));
-      detail::write_strided_body(ar, t, t.requires_grad());
+      detail::write_strided_body(ar, host, t.requires_grad(), target);
       break;
     case at::kSparse:
       ar.write(static_cast<std::uint8_t>(detail::TensorKind::SparseCoo));
-      detail::write_sparse_body(ar, t);
+      detail::write_sparse_body(ar, host, target);
       break;
     default:
       throw EncodeError("cannot encode tensor with layout " + detail::layout_name(t.layout()) +

@@ -1,0 +1,210 @@
+// Device maps across processes, on the CPU: the group-wide check at init (every worker fails
+// alike, no agent is left, a corrected init works), CPU maps routing requests and responses, and
+// the fail-fast errors for tensors no map covers (a meta tensor stands in for a GPU one: the
+// agent treats every non-CPU device alike) without exhausting the request pool. Device maps are
+// the agent's, not the transport's: these run on tcp only.
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+
+#include <distrpc/rpc.hpp>
+
+#include "multiprocess.hpp"
+#include "support/rpc_test_util.hpp"
+#include "support/rpc_under_test.hpp"
+
+using distrpc::DeviceMap;
+using distrpc::DeviceName;
+using distrpc::RpcBackendOptions;
+using distrpc::testing::contains;
+using distrpc::testing::error_text;
+using distrpc::testing::wname;
+
+namespace devmap_test {
+
+at::Tensor devmap_echo(at::Tensor t) {
+  return t;
+}
+// A result on a device no map can name.
+at::Tensor devmap_meta_result(int n) {
+  return at::empty({n}, at::device(at::kMeta));
+}
+std::string devmap_device_of(at::Tensor t) {
+  return t.device().str();
+}
+
+}  // namespace devmap_test
+
+namespace {
+
+bool on_tcp() {
+  return distrpc::testing::transport_under_test() == "tcp";
+}
+
+// init_rpc with `o` on a fresh rendezvous of this run named `tag`.
+void init_at(const distrpc::testing::RankContext& ctx, const std::string& tag,
+             RpcBackendOptions o) {
+  o.init_method = distrpc::testing::file_url(ctx, tag);
+  distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
+}
+
+}  // namespace
+
+DISTRPC_MP_TEST("devices: the group checks every worker's device maps at init; all fail alike", 3,
+                90) {
+  if (!on_tcp()) return;
+  struct Case {
+    const char* tag;
+    int offender;  // the rank whose map is wrong
+    void (*set)(RpcBackendOptions&);
+    const char* text;
+  };
+  const Case cases[] = {
+      {"names", 1,
+       [](RpcBackendOptions& o) {
+         o.set_device_map("worker9", {{"cpu", "cpu"}});
+       },
+       "Node worker1 has invalid target node names in its device maps"},
+      {"source", 2,
+       [](RpcBackendOptions& o) {
+         o.set_device_map("worker0", {{100, "cpu"}});
+       },
+       "Node worker2 has source devices with invalid indices in its device map for worker0"},
+      {"target", 0,
+       [](RpcBackendOptions& o) {
+         o.set_device_map("worker1", {{"cpu", 100}});
+       },
+       "Node worker0 has target devices with invalid indices in its device map for worker1"},
+      {"dup", 1,
+       [](RpcBackendOptions& o) {
+         o.device_maps["worker2"] = DeviceMap{{DeviceName::cpu(), DeviceName::cpu()},
+                                              {DeviceName::cuda(100), DeviceName::cpu()}};
+       },
+       "Node worker1 has duplicated target devices in its device map for worker2"},
+  };
+  for (const Case& c : cases) {
+    INFO("case " << c.tag);
+    RpcBackendOptions o;
+    if (ctx.rank == c.offender) c.set(o);
+    const std::string err = error_text<std::invalid_argument>([&] { init_at(ctx, c.tag, o); });
+    CHECK_MESSAGE(contains(err, c.text), err);
+    // Init is all or nothing: no agent is left on any worker.
+    CHECK_FALSE(distrpc::is_initialized());
+  }
+  // A second offender later in the table: every worker names the first one.
+  {
+    RpcBackendOptions o;
+    if (ctx.rank == 0) o.set_device_map("worker1", {{"cpu", 100}});
+    if (ctx.rank == 2) o.set_device_map("nobody", {{"cpu", "cpu"}});
+    const std::string err = error_text<std::invalid_argument>([&] { init_at(ctx, "two", o); });
+    CHECK_MESSAGE(contains(err, "Node worker0 has target devices with invalid indices"), err);
+  }
+  // Corrected, the same processes start and call each other.
+  init_at(ctx, "good", RpcBackendOptions{});
+  const at::Tensor x = at::ones({3}) * ctx.rank;
+  CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>(wname((ctx.rank + 1) % 3), x), x));
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST("devices: CPU maps route requests and responses; unmapped devices fail fast", 2,
+                90) {
+  if (!on_tcp()) return;
+  RpcBackendOptions o;
+  o.num_worker_threads = 2;
+  const int peer = 1 - ctx.rank;
+  // worker0 maps cpu -> cpu towards worker1; worker1 has no map.
+  if (ctx.rank == 0) o.set_device_map("worker1", {{"cpu", "cpu"}});
+  init_at(ctx, "route", o);
+
+  CHECK(distrpc::get_device_map(wname(peer)) ==
+        (ctx.rank == 0 ? DeviceMap{{DeviceName::cpu(), DeviceName::cpu()}} : DeviceMap{}));
+  CHECK(distrpc::get_devices().empty());  // the maps name no CUDA device
+
+  // Mapped or not, CPU tensors travel both ways, views and all.
+  const at::Tensor view = at::arange(12, at::kFloat).reshape({3, 4}).t();
+  const at::Tensor back = distrpc::rpc_sync<&devmap_test::devmap_echo>(wname(peer), view);
+  CHECK(at::equal(back, view));
+  CHECK(back.strides() == view.strides());
+  CHECK(distrpc::rpc_sync<&devmap_test::devmap_device_of>(wname(peer), view) == "cpu");
+
+  if (ctx.rank == 0) {
+    // A tensor no map covers: refused before anything is sent, every time, with the reason.
+    const int repeats = o.num_worker_threads + 5;
+    const at::Tensor meta = at::empty({4}, at::device(at::kMeta));
+    const auto t0 = std::chrono::steady_clock::now();
+    int request_errors = 0;
+    std::string err;
+    for (int i = 0; i < repeats; ++i) {
+      err = error_text<distrpc::wire::EncodeError>(
+          [&] { distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", meta); });
+      request_errors +=
+          contains(err, "RPC only supports CPU tensors by default") &&
+          contains(err, "call `set_device_map` on `RpcBackendOptions`") &&
+          contains(err, "Request device mapping is not available for destination worker1") &&
+          contains(err, "(a tensor on meta)");
+    }
+    CHECK_MESSAGE(request_errors == repeats, err);
+
+    // A result no inverse map covers: worker1 refuses to send it, the call fails at once, and
+    // the handler's thread is given back (repeats > the pool's threads).
+    int response_errors = 0;
+    for (int i = 0; i < repeats; ++i) {
+      err = distrpc::testing::error_of(
+          [&] { distrpc::rpc_sync<&devmap_test::devmap_meta_result>("worker1", 2); });
+      response_errors +=
+          contains(err, "Response device mapping is not available for destination worker0");
+    }
+    CHECK_MESSAGE(response_errors == repeats, err);
+    CHECK(distrpc::testing::ms_since(t0) < 10'000);
+    // The next CPU call succeeds.
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", at::ones({2})),
+                    at::ones({2})));
+
+    // A per-call map replaces the configured one for that request; it is checked as the group
+    // checked the configured maps.
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>(
+                        "worker1", distrpc::with_device_map({{"cpu", "cpu"}}), at::ones({2})),
+                    at::ones({2})));
+    CHECK(contains(error_text<std::invalid_argument>([] {
+                     distrpc::rpc_sync<&devmap_test::devmap_echo>(
+                         "worker1", distrpc::with_device_map({{100, "cpu"}}), at::ones({2}));
+                   }),
+                   "Node worker0 has source devices with invalid indices in its device map for "
+                   "worker1"));
+    CHECK(contains(error_text<std::invalid_argument>([] {
+                     distrpc::rpc_sync<&devmap_test::devmap_echo>(
+                         "worker1", distrpc::with_device_map({{"cpu", 100}}), at::ones({2}));
+                   }),
+                   "has target devices with invalid indices"));
+    CHECK(error_text<std::invalid_argument>([] {
+            distrpc::with_device_map({{0, 1}, {1, 1}});
+          }) ==
+          "`with_device_map` only supports 1-to-1 mapping, trying to map cuda:1 and cuda:0 "
+          "to cuda:1");
+  } else {
+    // worker1 has no map towards worker0: its own meta tensor is refused the same way.
+    const std::string err = error_text<distrpc::wire::EncodeError>([] {
+      distrpc::rpc_sync<&devmap_test::devmap_echo>("worker0",
+                                                   at::empty({1}, at::device(at::kMeta)));
+    });
+    CHECK_MESSAGE(contains(err, "Request device mapping is not available for destination worker0"),
+                  err);
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
+TEST_CASE("devices: a dynamic group refuses device maps before it joins") {
+  RpcBackendOptions o;
+  o.init_method = "file:///nonexistent-dir/never-used";
+  o.set_device_map("worker1", {{"cpu", "cpu"}});
+  CHECK(error_text<std::invalid_argument>(
+            [&] { distrpc::testing::init_rpc_dynamic_under_test("worker0", 0, o); }) ==
+        "device maps and devices are not supported in a dynamic group (init_rpc without a "
+        "world size): only CPU tensors can be sent there");
+  CHECK_FALSE(distrpc::is_initialized());
+}
