@@ -30,6 +30,7 @@
 #include <distrpc/nn/remote_module.hpp>
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
+#include <distrpc/torch_compat.hpp>
 #include <distrpc/transport/faulty.hpp>
 #include <distrpc/transport/tcp.hpp>
 
@@ -1214,4 +1215,61 @@ DISTRPC_MP_TEST(
     CHECK(same(grad_of(c.id(), b), at::full({2}, 3.0)));
   }
   distrpc::shutdown();
+}
+
+// ---- CUDA and device maps (needs a GPU) --------------------------------------------------------
+// worker0 maps its cuda:0 to worker1's cuda:0 (both processes share the machine's first GPU) and
+// sends CUDA leaves; the gradients come back through the inverse map, on the leaves' device. A
+// CPU leaf sent alongside stays on the CPU both ways.
+
+namespace ag_test {
+std::string device_of(at::Tensor a) {
+  return a.device().str();
+}
+}  // namespace ag_test
+
+DISTRPC_MP_TARGET("dist autograd target: CUDA leaves through a device map") {
+  RpcBackendOptions o;
+  if (ctx.rank == 0) o.set_device_map("worker1", {{0, 0}});
+  init(ctx, o);
+  if (ctx.rank == 0) {
+    const c10::Device gpu(c10::kCUDA, 0);
+    da::Context c;
+    at::Tensor a = (at::ones({3, 3}, gpu) * 2).requires_grad_(true);
+    at::Tensor b = (at::ones({3, 3}, gpu) * 3).requires_grad_(true);
+    CHECK(distrpc::rpc_sync<&ag_test::device_of>("worker1", a) == "cuda:0");
+    at::Tensor ret = distrpc::rpc_sync<&ag_test::mul>("worker1", a, b);
+    CHECK(ret.device() == gpu);
+    da::backward(c.id(), {ret.sum()});
+    const at::Tensor ga = grad_of(c.id(), a);
+    const at::Tensor gb = grad_of(c.id(), b);
+    REQUIRE(ga.defined());
+    REQUIRE(gb.defined());
+    CHECK(ga.device() == gpu);
+    CHECK(gb.device() == gpu);
+    CHECK(same(ga.cpu(), at::ones({3, 3}) * 3));
+    CHECK(same(gb.cpu(), at::ones({3, 3}) * 2));
+    // A local-only backward on CUDA equals autograd's own .grad.
+    da::Context local;
+    at::Tensor x =
+        at::arange(4, at::TensorOptions().dtype(at::kFloat).device(gpu)).requires_grad_(true);
+    da::backward(local.id(), {(x * x).sum()});
+    CHECK(same(grad_of(local.id(), x).cpu(), at::arange(4, at::kFloat) * 2));
+  }
+  distrpc::shutdown();
+}
+
+TEST_CASE(
+    "dist autograd: CUDA leaves through a device map get their gradients on their device "
+    "(needs a GPU)") {
+  const int gpus = distrpc::compat::cuda_device_count();
+  if (gpus < 1) {
+    MESSAGE("skipped: needs 1 GPU(s), this machine has " << gpus);
+    return;
+  }
+  distrpc::testing::RunOptions o;
+  o.world = 2;
+  o.limit = 120s;
+  auto r = distrpc::testing::run_ranks("dist autograd target: CUDA leaves through a device map", o);
+  CHECK_MESSAGE(r.ok, r.report());
 }

@@ -573,9 +573,27 @@ DISTRPC_MP_TARGET("remote module target: CUDA placement") {
     CHECK_THROWS_WITH(bad.forward(t1, 2, t2), doctest::Contains("invalid device ordinal"));
   }
   distrpc::shutdown();
+
+  // With a device map set the results come back as they are: on the GPU, through the inverse map.
+  RpcBackendOptions mapped;
+  if (ctx.rank == 0) mapped.set_device_map("worker1", {{0, 0}});
+  mapped.init_method = file_url(ctx, "mapped");
+  distrpc::testing::init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, mapped);
+  if (ctx.rank == 0) {
+    auto rm = RemoteModule<CudaInterface>::create<CudaModule>("worker1/cuda:0");
+    CHECK(rm.is_device_map_set());
+    const at::Tensor t1 = at::ones({1});
+    const auto [w, n, t] = rm.forward(t1, 2, t1 * 2);
+    CHECK(n == 2);
+    CHECK(w.device() == c10::Device(c10::kCUDA, 0));
+    CHECK(t.device() == c10::Device(c10::kCUDA, 0));
+    CHECK(at::equal(w.cpu(), t1 * 2));
+    CHECK(at::equal(t.cpu(), t1));
+  }
+  distrpc::shutdown();
 }
 
-TEST_CASE("remote module: CUDA placement without a device map (scenario 5, needs a GPU)") {
+TEST_CASE("remote module: CUDA placement without and with a device map (scenario 5, needs a GPU)") {
   if (!torch::cuda::is_available()) {
     MESSAGE(
         "skipped: no CUDA device on this machine (torch::cuda::is_available() is false); "

@@ -6,12 +6,14 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 
 #include <distrpc/rpc.hpp>
+#include <distrpc/torch_compat.hpp>
 
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"
@@ -35,6 +37,14 @@ at::Tensor devmap_meta_result(int n) {
 }
 std::string devmap_device_of(at::Tensor t) {
   return t.device().str();
+}
+// A result on the callee's first GPU.
+at::Tensor devmap_cuda_result(int n) {
+  return at::arange(n, at::kFloat).to(c10::Device(c10::kCUDA, 0));
+}
+// The devices of both tensors, and their sum on the second one's device.
+std::tuple<std::string, std::string, at::Tensor> devmap_pair(at::Tensor a, at::Tensor b) {
+  return {a.device().str(), b.device().str(), a.to(b.device()) + b};
 }
 
 }  // namespace devmap_test
@@ -207,4 +217,86 @@ TEST_CASE("devices: a dynamic group refuses device maps before it joins") {
         "device maps and devices are not supported in a dynamic group (init_rpc without a "
         "world size): only CPU tensors can be sent there");
   CHECK_FALSE(distrpc::is_initialized());
+}
+
+// ---- on GPUs (skipped on a machine without them) ----------------------------------------------
+
+DISTRPC_MP_TARGET("devices target: CUDA tensors follow the map, responses its inverse (1 GPU)") {
+  // Both processes share the one GPU: worker0 maps its cuda:0 to worker1's cuda:0.
+  RpcBackendOptions o;
+  if (ctx.rank == 0) o.set_device_map("worker1", {{0, 0}});
+  init_at(ctx, "gpu1", o);
+  const c10::Device gpu(c10::kCUDA, 0);
+  CHECK(distrpc::get_devices() == std::vector<DeviceName>{DeviceName::cuda(0)});
+  if (ctx.rank == 0) {
+    const at::Tensor x = at::arange(1 << 20, at::kFloat).to(gpu);
+    CHECK(distrpc::rpc_sync<&devmap_test::devmap_device_of>("worker1", x) == "cuda:0");
+    const at::Tensor back = distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", x);
+    CHECK(back.device() == gpu);
+    CHECK(at::equal(back.cpu(), x.cpu()));
+    // CPU tensors stay on the CPU both ways; a GPU result comes back on the GPU.
+    CHECK(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", at::ones({2})).is_cpu());
+    const at::Tensor made = distrpc::rpc_sync<&devmap_test::devmap_cuda_result>("worker1", 5);
+    CHECK(made.device() == gpu);
+    CHECK(at::equal(made.cpu(), at::arange(5, at::kFloat)));
+  } else {
+    // worker1 has no map towards worker0: its GPU tensor is refused, and worker0 cannot send
+    // a GPU result back to it.
+    CHECK(contains(error_text<distrpc::wire::EncodeError>([&] {
+                     distrpc::rpc_sync<&devmap_test::devmap_echo>("worker0", at::ones({2}, gpu));
+                   }),
+                   "Request device mapping is not available for destination worker0 (a tensor on "
+                   "cuda:0)"));
+    CHECK(contains(distrpc::testing::error_of(
+                       [] { distrpc::rpc_sync<&devmap_test::devmap_cuda_result>("worker0", 3); }),
+                   "Response device mapping is not available for destination worker1 (a tensor "
+                   "on cuda:0)"));
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker0", at::ones({2})),
+                    at::ones({2})));
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TARGET("devices target: the map {0: 1, 1: 0} swaps GPUs (2 GPUs)") {
+  RpcBackendOptions o;
+  if (ctx.rank == 0) o.set_device_map("worker1", {{0, 1}, {1, 0}});
+  init_at(ctx, "gpu2", o);
+  if (ctx.rank == 0) {
+    const at::Tensor a = at::ones({4}, c10::Device(c10::kCUDA, 0));
+    const at::Tensor b = at::ones({4}, c10::Device(c10::kCUDA, 1)) * 2;
+    const auto [da, db, sum] = distrpc::rpc_sync<&devmap_test::devmap_pair>("worker1", a, b);
+    CHECK(da == "cuda:1");
+    CHECK(db == "cuda:0");
+    // The sum is on worker1's cuda:0 and comes back on the inverse: worker0's cuda:1.
+    CHECK(sum.device() == c10::Device(c10::kCUDA, 1));
+    CHECK(at::equal(sum.cpu(), at::full({4}, 3.0f)));
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
+namespace {
+void run_on_gpus(const char* target, int gpus) {
+  const int have = distrpc::compat::cuda_device_count();
+  if (have < gpus) {
+    MESSAGE("skipped: needs " << gpus << " GPU(s), this machine has " << have);
+    return;
+  }
+  distrpc::testing::RunOptions o;
+  o.world = 2;
+  o.limit = std::chrono::seconds(120);
+  auto r = distrpc::testing::run_ranks(target, o);
+  CHECK_MESSAGE(r.ok, r.report());
+}
+}  // namespace
+
+TEST_CASE("devices: CUDA tensors follow the map, responses its inverse (needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: CUDA tensors follow the map, responses its inverse (1 GPU)", 1);
+}
+
+TEST_CASE("devices: the map {0: 1, 1: 0} swaps GPUs (needs 2 GPUs)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: the map {0: 1, 1: 0} swaps GPUs (2 GPUs)", 2);
 }

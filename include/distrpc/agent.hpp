@@ -507,6 +507,11 @@ class RpcAgent : public AgentServices,
     return r->result;
   }
   bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
+  void host_encode_back(int peer, FunctionRef<void()> encode) override {
+    const auto route = device_routes_.response(peer, members_);
+    wire::DeviceRouteScope in_route(&route);
+    encode();
+  }
   void host_protocol_begin(std::uint64_t steps) override { calls_.protocol_begin(steps); }
   void host_protocol_end(std::uint64_t steps) override { calls_.protocol_end(steps); }
   bool host_after(milliseconds delay, std::function<void()> fn) override {

@@ -86,6 +86,9 @@ class AgentServices {
                                  FunctionRef<void()> encode) = 0;
   virtual void host_decode_reply(int from, const CallAttachments& sent,
                                  FunctionRef<void()> decode) = 0;
+  // Encodes (encode()) tensors that go back to where `peer`'s tensors came from (gradients of
+  // what `peer` sent): under a reply's device route, the inverse of `peer`'s map to this worker.
+  virtual void host_encode_back(int peer, FunctionRef<void()> encode) = 0;
 
  protected:
   virtual ~AgentServices() = default;

@@ -530,16 +530,20 @@ class AutogradLayer final : public AgentExtension,
       t->created(id, recv.from());
     }
     wire::Message m;
-    {
-      wire::TensorObserverScope none(nullptr);  // gradients are not recorded
-      wire::encode(m, context_id, recv.send_id(), retain_graph, grads, origin.root,
-                   origin.backward_id, id);
-    }
     Future<wire::Message> reply;
     try {
       const std::string what = "gradients of autograd context " + std::to_string(context_id);
       auto pass = gate_->enter();
       if (!pass) throw RpcError(gate_->shut_down_text(what + " not sent"));
+      {
+        // Gradients are not recorded, and go back through the inverse of the device map their
+        // forward tensors came through: each arrives on its leaf's device.
+        wire::TensorObserverScope none(nullptr);
+        pass->host_encode_back(recv.from(), [&] {
+          wire::encode(m, context_id, recv.send_id(), retain_graph, grads, origin.root,
+                       origin.backward_id, id);
+        });
+      }
       reply = pass->host_control_call(recv.from(), control_type(kGradients), std::move(m),
                                       pass->host_timeout(kUnsetRpcTimeout), what);
     } catch (...) {
