@@ -489,6 +489,29 @@ void registered_again_scenario() {
   CHECK(a.inbox.lost_count() == 2);
 }
 
+// A peer restarted at a new address and registered before its old incarnation's loss was
+// noticed (the old process still had its connections open): the old pair's hang-up, arriving
+// after the new registration, is not reported, and the new incarnation is reached both ways.
+template <class P>
+void replaced_before_loss_scenario() {
+  NodeOf<P> a(0);
+  auto b = std::make_unique<NodeOf<P>>(1);
+  introduce(a, 0, *b, 1);
+  check_still_works(a, *b, 1);
+  auto b2 = std::make_unique<NodeOf<P>>(1);  // worker 1 again, at a new address
+  introduce(a, 0, *b2, 1);
+  b.reset();  // the old incarnation's connections break only now
+  for (std::uint64_t id = 2; id < 5; ++id) check_still_works(a, *b2, id);
+  std::this_thread::sleep_for(300ms);
+  CHECK(a.inbox.lost_count() == 0);
+  CHECK(b2->inbox.lost_count() == 0);
+  check_still_works(a, *b2, 5);
+  // The new incarnation's own loss is reported, once.
+  b2.reset();
+  REQUIRE(a.inbox.wait_lost(1, 2s));
+  CHECK(a.inbox.lost[0].first == 1);
+}
+
 // The rank body for "a SIGKILLed peer": rank 1 kills itself once messages flow both ways.
 template <class P>
 void sigkilled_target(const distrpc::testing::RankContext& ctx) {
@@ -753,6 +776,9 @@ DISTRPC_CONFORMANCE("a destroyed peer context is reported lost within 2 s, once"
                     destroyed_peer_scenario)
 DISTRPC_CONFORMANCE("a peer lost and registered again is reached afresh, and lost once more",
                     registered_again_scenario)
+DISTRPC_CONFORMANCE(
+    "a peer registered at a new address before its loss was noticed: the old hang-up is ignored",
+    replaced_before_loss_scenario)
 DISTRPC_CONFORMANCE_TARGET("Tcp", Tcp, "a SIGKILLed peer process is reported lost within 2 s",
                            sigkilled_target)
 DISTRPC_CONFORMANCE_TARGET("Shm", Shm, "a SIGKILLed peer process is reported lost within 2 s",

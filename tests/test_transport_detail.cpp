@@ -243,6 +243,13 @@ TEST_CASE("transport detail: a late hang-up of an old connection does not mark t
   // The new incarnation can be lost (and reported) again.
   CHECK(p.mark_lost("reset"));
   CHECK(p.lost_reason() == "reset");
+  // Registered at a new address before its loss was noticed (a replacement process): a fresh
+  // incarnation all the same, and the old connections' hang-up, arriving later, is stale.
+  CHECK(p.renew());
+  const auto third = p.generation();
+  CHECK(p.renew(/*moved=*/true));
+  CHECK_FALSE(p.current(third));
+  CHECK_FALSE(p.lost());
 }
 
 TEST_CASE("transport detail: the handshake's identity check names who answered") {

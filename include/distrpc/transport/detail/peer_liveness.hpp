@@ -27,11 +27,13 @@ class PeerLiveness {
   bool lost() const { return !lost_reason_.empty(); }
 
   // add_peer(): a fresh registration may be connected (and lost) again. A new generation starts
-  // only when the old one was lost, so connections made before an add_peer() that merely repeats
-  // the address stay current. True when a new generation started: the caller lets go of the
-  // connections of the old one (they belong to a lost incarnation).
-  bool renew() {
-    const bool fresh = !lost_reason_.empty() || lost_reported_;
+  // when the old one was lost, or when the peer registers at a new address (`moved`: a process
+  // replacing a dead one, whose loss may not have been noticed yet: the old connections' hang-up
+  // may still be on its way); connections made before an add_peer() that merely repeats the
+  // address stay current. True when a new generation started: the caller lets go of the
+  // connections of the old one (they belong to an incarnation that is gone).
+  bool renew(bool moved = false) {
+    const bool fresh = moved || !lost_reason_.empty() || lost_reported_;
     if (fresh) ++generation_;
     lost_reason_.clear();
     lost_reported_ = false;

@@ -449,12 +449,14 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
     auto p = peer_entry(id);
     std::lock_guard<std::mutex> lk(p->mu);
+    const bool moved = !p->address.empty() && p->address != address;
     p->name = name;
     p->address = address;
-    // A fresh registration is a fresh incarnation: it may be connected (and lost) again. The
-    // connection opened to the lost one is not used for it (as a lost peer loses both of its
-    // connections): shut down, its end is ignored (an older generation), and the next send dials.
-    if (p->liveness.renew() && p->out) {
+    // A fresh registration (after a loss, or at a new address) is a fresh incarnation: it may be
+    // connected (and lost) again. The connection opened to the old one is not used for it (as a
+    // lost peer loses both of its connections): shut down, its end is ignored (an older
+    // generation), and the next send dials.
+    if (p->liveness.renew(moved) && p->out) {
       const auto old = std::move(p->out);
       old->record_failure("worker " + std::to_string(id) +
                           " was registered again after it was lost");

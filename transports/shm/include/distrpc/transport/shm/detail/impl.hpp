@@ -31,9 +31,9 @@
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
+#include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/shm/detail/connection.hpp"
 #include "distrpc/transport/shm/detail/protocol.hpp"
-#include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/shm/system.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/errors.hpp"
@@ -85,10 +85,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
     }
     auto p = peer_entry(id);
     std::lock_guard<std::mutex> lk(p->mu);
+    const bool moved = !p->address.empty() && p->address != address;
     p->name = name;
     p->address = address;
-    // A fresh registration is a fresh incarnation: it may be connected (and lost) again.
-    p->liveness.renew();
+    // A fresh registration (after a loss, or at a new address) is a fresh incarnation: it may be
+    // connected (and lost) again, and the old one's late hang-up is ignored.
+    p->liveness.renew(moved);
   }
 
   void send(int peer, const wire::Message& m) {
