@@ -36,7 +36,7 @@ run_suite() {
   passed=$((passed + p)); failed=$((failed + f))
   echo "   $line (exit $rc, $((SECONDS - start)) s)"
   # Cases that skipped themselves (no GPU, no second GPU, ...) say so.
-  grep -hE 'skipped: ' "$log" | sort | uniq -c | sed 's/^/   /'
+  grep -hE 'skipped: ' "$log" | sed -E 's|^.*/(tests/)|\1|' | sort | uniq -c | sed 's/^/   /'
   if [ $rc -ne 0 ]; then
     echo "---- $name output (last 200 lines) ----"
     tail -200 "$log"
