@@ -28,6 +28,8 @@ header "build against $torch_dir"
 command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | sed 's/^/   /'
 fail_build() { echo "   $1 failed"; tail -60 "$build/meson-logs/meson-log.txt" 2>/dev/null; echo "0 passed, 1 failed"; exit 1; }
 distrpc_configure "$build" -Dtorch_dir="$torch_dir" --wrap-mode=nodownload || fail_build "configure"
+# An existing build directory made for another libtorch follows this one.
+meson configure "$build" -Dtorch_dir="$torch_dir" >/dev/null || fail_build "configure"
 targets=$(distrpc_test_targets "$build")
 DISTRPC_JOBS=${DISTRPC_JOBS:-$(nproc)} DISTRPC_TARGETS="$targets" distrpc_build "$build" ||
   fail_build "build"

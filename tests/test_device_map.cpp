@@ -117,8 +117,13 @@ TEST_CASE("device map: a worker's published entry round-trips, malformed entries
   const NodeDevices empty = NodeDevices::parse("w", node("w", 0).serialize());
   CHECK(empty.maps.empty());
   CHECK(empty.devices.empty());
+  // A worker that published nothing: no GPUs, no devices, no maps.
+  const NodeDevices none = NodeDevices::parse("w", "");
+  CHECK(none.name == "w");
+  CHECK(none.device_count == 0);
+  CHECK(none.maps.empty());
 
-  for (const std::string bad : {"", "1:0", "1:01:0", "x:0", "1:01:01:0junk", "5:0"}) {
+  for (const std::string bad : {"1:0", "1:01:0", "x:0", "1:01:01:0junk", "5:0"}) {
     CHECK_MESSAGE(distrpc::testing::error_text<std::runtime_error>([&] {
                     NodeDevices::parse("worker3", bad);
                   }) == "malformed device entry of worker worker3 in the store",
@@ -156,6 +161,9 @@ TEST_CASE("device map: every rule of the group check, with its text") {
         "Node worker0 has duplicated target devices in its device map for worker1\n"
         "device map = {cuda:0: cuda:1, cuda:1: cuda:1}");
 
+  // The CPU is always usable, whatever `devices` lists.
+  CHECK(check({node("worker0", 2, {{"worker1", {{kCpu, cuda(1)}, {cuda(0), kCpu}}}}, {cuda(0)}),
+               node("worker1", 2, {}, {cuda(1)})}) == "<no exception>");
   CHECK(check({node("worker0", 2, {{"worker1", {{cuda(1), cuda(0)}}}}, {cuda(0)}), w1}) ==
         "Node worker0 has unexpected source devices in its device map for worker1\n"
         "device map = {cuda:1: cuda:0}\ndevices = [cuda:0]");

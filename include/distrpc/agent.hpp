@@ -507,8 +507,9 @@ class RpcAgent : public AgentServices,
     return r->result;
   }
   bool host_post(std::function<void()> fn) override { return callback_pool_.post(std::move(fn)); }
-  void host_encode_back(int peer, FunctionRef<void()> encode) override {
-    const auto route = device_routes_.response(peer, members_);
+  void host_encode_back(int peer, bool in_reply, FunctionRef<void()> encode) override {
+    const auto route = in_reply ? device_routes_.request(peer, nullptr, members_)
+                                : device_routes_.response(peer, members_);
     wire::DeviceRouteScope in_route(&route);
     encode();
   }

@@ -2,9 +2,8 @@
 // devices a worker uses, and the group-wide check made when the group meets. Free of libtorch:
 // options are plain data, and the check is a pure function of what every worker published.
 //
-//   opts.set_device_map("worker1", {{0, 1}, {1, 0}});       // cuda:0 -> cuda:1, cuda:1 -> cuda:0
-//   opts.set_device_map("worker2", {{"cpu", "cuda:0"}});     // CPU tensors arrive on worker2's
-//   cuda:0
+//   opts.set_device_map("worker1", {{0, 1}, {1, 0}});  // cuda:0 -> cuda:1, cuda:1 -> cuda:0
+//   opts.set_device_map("worker2", {{"cpu", "cuda:0"}});  // CPU tensors: worker2's cuda:0
 //
 // A request tensor on local device s arrives on the callee's map[s]; the callee's response tensor
 // on d arrives on the caller's inverse(map)[d]. Without an entry only CPU tensors may be sent.
@@ -164,7 +163,13 @@ struct NodeDevices {
     return out;
   }
 
+  // An empty text is a worker that published nothing: no GPUs, no devices, no maps.
   static NodeDevices parse(const std::string& name, const std::string& text) {
+    if (text.empty()) {
+      NodeDevices none;
+      none.name = name;
+      return none;
+    }
     std::size_t pos = 0;
     const auto bad = [&] {
       return std::runtime_error("malformed device entry of worker " + name + " in the store");
@@ -212,10 +217,11 @@ bool devices_exist(const Range& devices, int device_count) {
     return d.is_cpu() || (d.index >= 0 && d.index < device_count);
   });
 }
+// Every device is the CPU (always usable) or among `allowed` (a worker's CUDA devices).
 template <class Range>
 bool all_in(const Range& devices, const std::vector<DeviceName>& allowed) {
   return std::all_of(devices.begin(), devices.end(), [&](const DeviceName& d) {
-    return std::find(allowed.begin(), allowed.end(), d) != allowed.end();
+    return d.is_cpu() || std::find(allowed.begin(), allowed.end(), d) != allowed.end();
   });
 }
 inline std::vector<DeviceName> keys(const DeviceMap& m) {

@@ -240,9 +240,10 @@ inline void shutdown(bool graceful = true, std::chrono::milliseconds timeout = k
 // group in one process, as tests do), beside or instead of the one init_rpc() starts.
 //
 //   auto registry = std::make_shared<distrpc::Registry>();
-//   registry->add<&add>();                      // what this agent serves (default:
-//   DISTRPC_REGISTER) auto g = distrpc::RpcGroup::join<distrpc::transport::Tcp>("ps", 0, 2, opts,
-//   registry); at::Tensor y = g.rpc_sync<&mul>("trainer", x, x); g.shutdown();
+//   registry->add<&add>();  // what this agent serves (default: DISTRPC_REGISTER)
+//   auto g = distrpc::RpcGroup::join<distrpc::transport::Tcp>("ps", 0, 2, opts, registry);
+//   at::Tensor y = g.rpc_sync<&mul>("trainer", x, x);
+//   g.shutdown();
 //
 // Handlers and callbacks run for the agent that runs them: inside them the free functions
 // (rpc_sync, remote, RRef(value), ...) use that agent. On a thread of the program, use() makes

@@ -5,8 +5,8 @@
 # Meson uses a subproject's folder when it exists instead of fetching it. The folders are ignored by
 # git; carry them to the other machine with the tree (7.6 MB).
 set -euo pipefail
+inc=$(realpath "${1:-/usr/include}")
 cd "$(dirname "$0")/../.."
-inc=${1:-/usr/include}
 
 for h in asio.hpp asio cereal doctest/doctest.h; do
   [ -e "$inc/$h" ] || { echo "prepare_offline: $inc/$h is missing (apt-get install libasio-dev libcereal-dev doctest-dev)"; exit 1; }

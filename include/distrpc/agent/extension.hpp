@@ -86,9 +86,12 @@ class AgentServices {
                                  FunctionRef<void()> encode) = 0;
   virtual void host_decode_reply(int from, const CallAttachments& sent,
                                  FunctionRef<void()> decode) = 0;
-  // Encodes (encode()) tensors that go back to where `peer`'s tensors came from (gradients of
-  // what `peer` sent): under a reply's device route, the inverse of `peer`'s map to this worker.
-  virtual void host_encode_back(int peer, FunctionRef<void()> encode) = 0;
+  // Encodes (encode()) tensors that go back to where `peer`'s tensors came from (their
+  // gradients). Those that came in `peer`'s request travelled through `peer`'s device map, so
+  // theirs take a reply's route (its inverse); those that came in a reply to this worker
+  // (`in_reply`) travelled through the inverse of this worker's map, so theirs take a request's
+  // route (this worker's map to `peer`).
+  virtual void host_encode_back(int peer, bool in_reply, FunctionRef<void()> encode) = 0;
 
  protected:
   virtual ~AgentServices() = default;

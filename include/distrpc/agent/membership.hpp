@@ -185,13 +185,14 @@ class Membership {
     for (int r = 0; r < world_size_; ++r) {
       const std::string v = st.get_string(keys[static_cast<std::size_t>(r)]);
       const auto nl = v.find('\n');
-      const auto nl2 = nl == std::string::npos ? nl : v.find('\n', nl + 1);
-      if (nl2 == std::string::npos) {
+      if (nl == std::string::npos) {
         throw RpcError("malformed worker entry for rank " + std::to_string(r) + " in the store");
       }
+      // "name\naddress" (no extra part: a worker that publishes none) or "name\naddress\nextra".
+      const auto nl2 = v.find('\n', nl + 1);
       all.push_back(WorkerInfo{r, v.substr(0, nl)});
-      out.addresses.push_back(v.substr(nl + 1, nl2 - nl - 1));
-      out.extras.push_back(v.substr(nl2 + 1));
+      out.addresses.push_back(v.substr(nl + 1, nl2 == std::string::npos ? nl2 : nl2 - nl - 1));
+      out.extras.push_back(nl2 == std::string::npos ? std::string() : v.substr(nl2 + 1));
     }
     try {
       std::map<std::string, int> seen;

@@ -35,8 +35,10 @@ class SendRpcBackward final : public torch::autograd::Node {
 // fails: gradients cannot cross workers outside a distributed pass.
 class RecvRpcBackward final : public torch::autograd::Node {
  public:
-  RecvRpcBackward(std::int64_t context_id, int from, std::int64_t send_id)
-      : context_id_(context_id), from_(from), send_id_(send_id) {}
+  // `in_reply`: the tensors came in a reply to a call of this worker (else in `from`'s request),
+  // which decides the device route their gradients take back.
+  RecvRpcBackward(std::int64_t context_id, int from, std::int64_t send_id, bool in_reply = false)
+      : context_id_(context_id), from_(from), send_id_(send_id), in_reply_(in_reply) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
     throw std::runtime_error(
@@ -50,11 +52,13 @@ class RecvRpcBackward final : public torch::autograd::Node {
   std::int64_t context_id() const { return context_id_; }
   int from() const { return from_; }
   std::int64_t send_id() const { return send_id_; }
+  bool in_reply() const { return in_reply_; }
 
  private:
   const std::int64_t context_id_;
   const int from_;
   const std::int64_t send_id_;
+  const bool in_reply_;
 };
 
 }  // namespace distrpc::dist_autograd

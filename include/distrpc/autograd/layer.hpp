@@ -272,7 +272,7 @@ class AutogradLayer final : public AgentExtension,
     if (c.tensors.empty()) return;
     // The context may be gone (released before the reply came): the tensors stay leaves.
     if (auto ctx = contexts().find(tag->context_id)) {
-      record_recv(*ctx, from, tag->message_id + 1, c.tensors);
+      record_recv(*ctx, from, tag->message_id + 1, c.tensors, /*in_reply=*/true);
     }
   }
 
@@ -489,8 +489,8 @@ class AutogradLayer final : public AgentExtension,
   // One RecvRpcBackward, the grad_fn of every tensor requiring grad that arrived from `from` in
   // the message whose send function there is `send_id`.
   static void record_recv(DistAutogradContext& ctx, int from, std::int64_t send_id,
-                          std::vector<at::Tensor>& tensors) {
-    auto fn = std::make_shared<RecvRpcBackward>(ctx.context_id(), from, send_id);
+                          std::vector<at::Tensor>& tensors, bool in_reply = false) {
+    auto fn = std::make_shared<RecvRpcBackward>(ctx.context_id(), from, send_id, in_reply);
     for (auto& t : tensors) torch::autograd::set_history(t, fn);
     ctx.add_recv(send_id, std::move(fn));
   }
@@ -536,10 +536,10 @@ class AutogradLayer final : public AgentExtension,
       auto pass = gate_->enter();
       if (!pass) throw RpcError(gate_->shut_down_text(what + " not sent"));
       {
-        // Gradients are not recorded, and go back through the inverse of the device map their
-        // forward tensors came through: each arrives on its leaf's device.
+        // Gradients are not recorded, and go back the way their forward tensors came, mapped
+        // the other way: each arrives on its leaf's device.
         wire::TensorObserverScope none(nullptr);
-        pass->host_encode_back(recv.from(), [&] {
+        pass->host_encode_back(recv.from(), recv.in_reply(), [&] {
           wire::encode(m, context_id, recv.send_id(), retain_graph, grads, origin.root,
                        origin.backward_id, id);
         });

@@ -459,7 +459,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (p->liveness.renew(moved) && p->out) {
       const auto old = std::move(p->out);
       old->record_failure("worker " + std::to_string(id) +
-                          " was registered again after it was lost");
+                          " was registered again (after a loss, or at a new address)");
       old->shutdown_fd();
     }
   }

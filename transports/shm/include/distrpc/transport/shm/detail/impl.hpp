@@ -89,8 +89,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     p->name = name;
     p->address = address;
     // A fresh registration (after a loss, or at a new address) is a fresh incarnation: it may be
-    // connected (and lost) again, and the old one's late hang-up is ignored.
-    p->liveness.renew(moved);
+    // connected (and lost) again, and the old one's late hang-up is ignored. The ring opened to
+    // the old one is not written for it: shut down (its end is ignored), the next send dials.
+    if (p->liveness.renew(moved) && p->out) {
+      const auto old = std::move(p->out);
+      old->record_failure("worker " + std::to_string(id) + " was registered again");
+      old->shutdown_sock();
+    }
   }
 
   void send(int peer, const wire::Message& m) {
