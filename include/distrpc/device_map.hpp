@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <set>
 #include <stdexcept>
@@ -21,6 +22,17 @@
 #include <vector>
 
 namespace distrpc {
+
+namespace detail {
+// `text` as a non-negative number of 1 to `max_digits` decimal digits; nullopt otherwise.
+inline std::optional<int> small_number(std::string_view text, std::size_t max_digits) {
+  if (text.empty() || text.size() > max_digits ||
+      !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return std::nullopt;
+  }
+  return std::stoi(std::string(text));
+}
+}  // namespace detail
 
 // A device as device maps name it: "cpu" or "cuda:<index>". Ordered, so it can key a map.
 struct DeviceName {
@@ -44,10 +56,8 @@ struct DeviceName {
       std::string_view digits = s.substr(prefix.size());
       const bool negative = !digits.empty() && digits.front() == '-';
       if (negative) digits.remove_prefix(1);
-      if (!digits.empty() && digits.size() <= 4 &&
-          std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-        const int n = std::stoi(std::string(digits));
-        return cuda(negative ? -n : n);
+      if (const auto n = detail::small_number(digits, 4)) {
+        return cuda(negative ? -*n : *n);
       }
     }
     if (s == "cuda") {
@@ -176,22 +186,16 @@ struct NodeDevices {
     };
     const auto field = [&]() -> std::string {
       const auto colon = text.find(':', pos);
-      if (colon == std::string::npos || colon == pos || colon - pos > 9) throw bad();
-      const std::string len_text = text.substr(pos, colon - pos);
-      if (!std::all_of(len_text.begin(), len_text.end(),
-                       [](char c) { return c >= '0' && c <= '9'; }))
-        throw bad();
-      const std::size_t len = std::stoul(len_text);
-      if (text.size() - (colon + 1) < len) throw bad();
-      pos = colon + 1 + len;
-      return text.substr(colon + 1, len);
+      if (colon == std::string::npos) throw bad();
+      const auto len = detail::small_number(std::string_view(text).substr(pos, colon - pos), 9);
+      if (!len || text.size() - (colon + 1) < static_cast<std::size_t>(*len)) throw bad();
+      pos = colon + 1 + static_cast<std::size_t>(*len);
+      return text.substr(colon + 1, static_cast<std::size_t>(*len));
     };
     const auto number = [&] {
-      const std::string s = field();
-      if (s.empty() || s.size() > 9 ||
-          !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
-        throw bad();
-      return std::stoi(s);
+      const auto n = detail::small_number(field(), 9);
+      if (!n) throw bad();
+      return *n;
     };
     NodeDevices n;
     n.name = name;
@@ -224,14 +228,10 @@ bool all_in(const Range& devices, const std::vector<DeviceName>& allowed) {
     return d.is_cpu() || std::find(allowed.begin(), allowed.end(), d) != allowed.end();
   });
 }
-inline std::vector<DeviceName> keys(const DeviceMap& m) {
+// A map's sources (`targets` false) or targets, in the map's order.
+inline std::vector<DeviceName> side(const DeviceMap& m, bool targets) {
   std::vector<DeviceName> out;
-  for (const auto& kv : m) out.push_back(kv.first);
-  return out;
-}
-inline std::vector<DeviceName> values(const DeviceMap& m) {
-  std::vector<DeviceName> out;
-  for (const auto& kv : m) out.push_back(kv.second);
+  for (const auto& [from, to] : m) out.push_back(targets ? to : from);
   return out;
 }
 }  // namespace detail
@@ -272,11 +272,11 @@ inline void validate_device_maps(const std::vector<NodeDevices>& nodes) {
     for (const auto& [target, m] : src.maps) {
       const std::string where =
           " in its device map for " + target + "\ndevice map = " + to_string(m);
-      const auto targets = detail::values(m);
+      const auto targets = detail::side(m, true);
       if (std::set<DeviceName>(targets.begin(), targets.end()).size() != targets.size()) {
         throw std::invalid_argument("Node " + src.name + " has duplicated target devices" + where);
       }
-      const auto sources = detail::keys(m);
+      const auto sources = detail::side(m, false);
       if (!src.devices.empty()) {
         if (!detail::all_in(sources, src.devices)) {
           throw std::invalid_argument("Node " + src.name + " has unexpected source devices" +
