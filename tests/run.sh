@@ -8,7 +8,7 @@ source tests/suites.sh
 
 distrpc_install_deps || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
 # The test binaries, the programs the checks below run, and the soak; the other examples are
-# compiled by the examples check below (syntax only, against one shared precompiled header: a
+# compiled by the examples check below (syntax only, all of them as one translation unit: a
 # full build of every example would cost about 13 more minutes on 2 cores) and built for real
 # by examples/run.sh. DISTRPC_ALL_EXAMPLES=1 builds every example here as well.
 header "main build (test programs, the programs the checks run, the soak)"

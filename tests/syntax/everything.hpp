@@ -1,7 +1,7 @@
-// Every public header a program may include, with libtorch's, precompiled once by
-// tests/syntax/check.sh: the compile-time failure checks and the examples' compile check parse
-// it once instead of once per file (libtorch's and distrpc's headers are most of each file's cost).
-// (No #pragma once: it is compiled as a header of its own, where GCC warns about one.)
+// Every public header a program may include, with libtorch's: tests/syntax/check.sh puts it first
+// in both of its translation units, so every public header is also checked with -Wall -Wextra
+// -Werror, and each file's own #includes of them are no-ops inside the namespace it is wrapped in.
+#pragma once
 
 #include <torch/torch.h>
 
