@@ -2,6 +2,7 @@
 // Add the header of the transport policy you use, e.g. <distrpc/transport/tcp.hpp>.
 #pragma once
 
+#include "distrpc/device_future.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/options.hpp"

@@ -49,6 +49,13 @@
 //                           the futures still pending.
 //   WaitAllScope            RAII scope collecting the rpc_async futures a thread makes while it
 //                           is alive; see the class comment.
+//
+// Futures with devices (distrpc/device_future.hpp: make_future<T>(devices), PyTorch's
+// Future(devices=...)) synchronize GPU streams at the points where a value changes hands:
+// completion marks where the producer's work ends on its streams, wait()/value() make the waiting
+// thread's current streams wait for those marks, and callbacks run on streams that do. This
+// header only carries the hook (detail::CompletionSync, null for every other future) and finds
+// the tensors in a value (detail::visit_tensors); it does not include libtorch.
 #pragma once
 
 #include <array>
@@ -64,13 +71,25 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <ranges>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "distrpc/function_ref.hpp"
 #include "distrpc/log.hpp"
+
+// Declared only: a value's tensors are handed by reference to a sink that libtorch code defines.
+namespace at {
+class Tensor;
+}  // namespace at
+namespace c10 {
+struct IValue;
+}  // namespace c10
 
 namespace distrpc {
 
@@ -218,6 +237,78 @@ class WaitDriver {
                           std::chrono::steady_clock::time_point until) = 0;
 };
 
+// Receives the tensors found in a value (device_future.hpp implements it).
+class TensorSink {
+ public:
+  virtual void tensor(const at::Tensor& t) = 0;
+  virtual void ivalue(const c10::IValue& v) = 0;  // the sink looks inside
+
+ protected:
+  ~TensorSink() = default;
+};
+
+template <class T>
+struct is_tuple_like : std::false_type {};
+template <class... E>
+struct is_tuple_like<std::tuple<E...>> : std::true_type {};
+template <class A, class B>
+struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+template <class T, std::size_t N>
+struct is_tuple_like<std::array<T, N>> : std::true_type {};
+
+template <class T>
+concept OptionalLike = requires(const T& v) {
+  { v.has_value() } -> std::convertible_to<bool>;
+  *v;
+};
+template <class T>
+concept MapLike = requires {
+  typename T::mapped_type;
+}
+&&std::ranges::range<const T>;
+template <class T>
+concept Container =
+    std::ranges::range<const T> && !std::is_convertible_v<const T&, std::string_view> &&
+    !std::is_same_v<std::ranges::range_value_t<const T>, T>;  // e.g. a path
+
+// Hands every tensor of `v` to `sink`: tensors and IValues themselves, and what standard
+// containers (ranges, maps' values, optionals, tuples, pairs, arrays) hold. The members of other
+// class types are not seen (device_future.hpp says what that means).
+template <class T>
+void visit_tensors(const T& v, TensorSink& sink) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    sink.tensor(v);
+  } else if constexpr (std::is_same_v<T, c10::IValue>) {
+    sink.ivalue(v);
+  } else if constexpr (is_tuple_like<T>::value) {
+    std::apply([&](const auto&... e) { (visit_tensors(e, sink), ...); }, v);
+  } else if constexpr (OptionalLike<T>) {
+    if (v.has_value()) visit_tensors(*v, sink);
+  } else if constexpr (MapLike<T>) {
+    for (const auto& kv : v) visit_tensors(kv.second, sink);
+  } else if constexpr (Container<T>) {
+    for (const auto& e : v) visit_tensors(e, sink);
+  }
+}
+
+// The device side of a future with devices (device_future.hpp), behind an interface so that
+// this header needs no libtorch. Set on the state before the future is handed out, never
+// changed: read without the lock.
+class CompletionSync {
+ public:
+  virtual ~CompletionSync() = default;
+  // On the completing thread, before the value is stored: checks the value's tensors (`visit`
+  // hands them to a sink) and marks the end of the work queued so far on the current streams.
+  // Throws to fail the future with that error instead.
+  virtual void record(FunctionRef<void(TensorSink&)> visit) = 0;
+  // On a thread that waited for the value: its current streams wait for the marks.
+  virtual void synchronize() const = 0;
+  // Around a callback: streams that wait for the marks are current until the result is dropped.
+  virtual std::shared_ptr<void> enter() const = 0;
+  // For a future completed from this one's value (a then() or via() child): same devices.
+  virtual std::shared_ptr<CompletionSync> fresh() const = 0;
+};
+
 class StateBase {
  public:
   using Callback = std::function<void(const std::shared_ptr<StateBase>&, const ExecutorFn*)>;
@@ -307,6 +398,10 @@ class StateBase {
     std::lock_guard lk(mu_);
     driver_ = std::move(d);
   }
+  // Before the future is handed out (see CompletionSync).
+  void set_sync(std::shared_ptr<CompletionSync> s) noexcept { sync_ = std::move(s); }
+  CompletionSync* sync() const noexcept { return sync_.get(); }
+  const std::shared_ptr<CompletionSync>& sync_ptr() const noexcept { return sync_; }
 
  private:
   // Lets the driver (if any, and still alive) poll for the outcome before the caller sleeps.
@@ -325,8 +420,18 @@ class StateBase {
   std::exception_ptr error_;
   std::vector<Callback> callbacks_;
   std::shared_ptr<const ExecutorFn> executor_;
-  std::weak_ptr<WaitDriver> driver_;  // weak: a future may outlive its agent
+  std::weak_ptr<WaitDriver> driver_;      // weak: a future may outlive its agent
+  std::shared_ptr<CompletionSync> sync_;  // null unless made with devices
 };
+
+// The streams scope of a callback on `s`'s value (null: nothing to do).
+inline std::shared_ptr<void> enter_sync(const StateBase& s) {
+  return s.sync() != nullptr && s.status() == Status::value ? s.sync()->enter() : nullptr;
+}
+// Gives `child` the devices of `parent`, if it has any.
+inline void inherit_sync(const StateBase& parent, StateBase& child) {
+  if (parent.sync() != nullptr) child.set_sync(parent.sync()->fresh());
+}
 
 template <class T>
 class State : public StateBase {
@@ -463,9 +568,11 @@ class FutureBase {
   }
 
   // Blocks until complete; rethrows the stored exception (every time it is called).
+  // A future with devices then makes this thread's current streams wait for the value's work.
   void wait() const {
     base().wait();
     if (has_error()) std::rethrow_exception(state_->error());
+    if (auto* sync = state_->sync()) sync->synchronize();
   }
   // True once complete (success or error); never throws the stored error.
   template <class Rep, class Period>
@@ -592,6 +699,13 @@ class [[nodiscard]] Future : public FutureBase {
     if (!try_set_value()) detail::throw_completed_twice();
   }
   bool try_set_value() const requires std::is_void_v<T> {
+    if (auto* sync = state_or_throw()->sync()) {
+      try {
+        sync->record([](detail::TensorSink&) {});
+      } catch (...) {
+        return detail::StateBase::complete_error(state_, std::current_exception());
+      }
+    }
     return detail::StateBase::complete(state_or_throw(), detail::Status::value, [] {});
   }
   template <class U = T>
@@ -608,6 +722,17 @@ class [[nodiscard]] Future : public FutureBase {
   template <class U = T>
   requires(!std::is_void_v<T> && std::constructible_from<T, U&&>) bool try_set_value(U&& v) const {
     auto& st = typed();
+    if (auto* sync = state_or_throw()->sync()) {
+      // The check reads the value, so it is made first; a value it refuses fails the future.
+      T value(std::forward<U>(v));
+      try {
+        sync->record([&](detail::TensorSink& sink) { detail::visit_tensors(value, sink); });
+      } catch (...) {
+        return detail::StateBase::complete_error(state_, std::current_exception());
+      }
+      return detail::StateBase::complete(state_, detail::Status::value,
+                                         [&] { st.value.emplace(std::move(value)); });
+    }
     return detail::StateBase::complete(state_, detail::Status::value,
                                        [&] { st.value.emplace(std::forward<U>(v)); });
   }
@@ -620,6 +745,7 @@ class [[nodiscard]] Future : public FutureBase {
     if constexpr (check_callback<Cb>()) {
       using R = detail::callback_result_t<Cb, T>;
       Future<unwrap_future_t<R>> child;
+      detail::inherit_sync(base(), *detail::FutureAccess::state(child));
       add_erased(
           [child, fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb)))](
               const std::shared_ptr<detail::StateBase>& s, const detail::ExecutorFn* ex) mutable {
@@ -639,6 +765,7 @@ class [[nodiscard]] Future : public FutureBase {
     if constexpr (check_executor<Ex>() && check_callback<Cb>()) {
       using R = detail::callback_result_t<Cb, T>;
       Future<unwrap_future_t<R>> child;
+      detail::inherit_sync(base(), *detail::FutureAccess::state(child));
       add_erased(
           [child, fn = detail::make_copyable(detail::carry_thread_state(std::forward<Cb>(cb))),
            ex = std::decay_t<Ex>(std::forward<Ex>(ex))](const std::shared_ptr<detail::StateBase>& s,
@@ -685,6 +812,7 @@ class [[nodiscard]] Future : public FutureBase {
   template <class Ex>
   Future<T> via(Ex&& ex) const {
     Future<T> child;
+    detail::inherit_sync(base(), *detail::FutureAccess::state(child));
     if constexpr (check_executor<Ex>()) {
       add_erased(
           [child, ex = std::decay_t<Ex>(std::forward<Ex>(ex))](
@@ -754,6 +882,7 @@ class [[nodiscard]] Future : public FutureBase {
   template <class F>
   static void run_logged(F& fn, Future<T>& f) noexcept {
     try {
+      auto streams = detail::enter_sync(f.base());
       std::invoke(fn, f);
     } catch (...) {
       detail::log_dropped_error("Future::add_done_callback", std::current_exception());
@@ -769,6 +898,8 @@ namespace detail {
 template <class T>
 void copy_result(const Future<T>& src, const Future<T>& dst) noexcept {
   try {
+    // dst's marks then follow src's work (a future with devices on either side).
+    auto streams = enter_sync(*FutureAccess::state(src));
     if (src.has_error()) {
       dst.try_set_exception(src.exception_ptr());
     } else if constexpr (std::is_void_v<T>) {
@@ -784,6 +915,7 @@ void copy_result(const Future<T>& src, const Future<T>& dst) noexcept {
 template <class R, class F, class T, class U>
 void run_then(F& fn, Future<T>& parent, const Future<U>& child) noexcept {
   try {
+    auto streams = enter_sync(*FutureAccess::state(parent));
     if constexpr (is_future_v<R>) {
       Future<U> inner = std::invoke(fn, parent);
       if (!inner.valid()) {

@@ -7,6 +7,7 @@
 
 #include "distrpc/agent.hpp"
 #include "distrpc/ddp.hpp"
+#include "distrpc/device_future.hpp"
 #include "distrpc/dist.hpp"
 #include "distrpc/dist/backend.hpp"
 #include "distrpc/dist/backend_config.hpp"

@@ -1,0 +1,324 @@
+// Futures with devices (distrpc/device_future.hpp) without a GPU: a stand-in CUDA implementation
+// of c10's device interface, registered for the length of a test on a libtorch that has none,
+// records what the future asks of streams and events (which event was recorded or waited for
+// on which device and stream), and tensors that claim to live on cuda:N (never computed on)
+// carry the devices. On a CUDA libtorch these cases skip: the real implementation is there, and
+// the GPU tests cover it.
+// libtorch's headers first: glog's CHECK, which they bring, must not replace doctest's.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <distrpc/device_future.hpp>
+
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/error_text.hpp"
+
+namespace device_future_test {
+
+using distrpc::Future;
+using distrpc::future_devices;
+using distrpc::make_future;
+
+c10::Device gpu(int i) {
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
+}
+
+// One thing the future asked of the device interface.
+struct Op {
+  std::string what;  // "record", "block" (an event), "in_use" (the allocator told)
+  std::intptr_t event = 0;
+  int device = 0;
+  c10::StreamId stream = 0;
+  bool operator==(const Op&) const = default;
+};
+std::ostream& operator<<(std::ostream& out, const Op& op) {
+  return out << "{" << op.what << " event " << op.event << " on " << op.device << "/" << op.stream
+             << "}";
+}
+
+// Two devices; per thread, a current device and a current stream per device (0: the default
+// stream), as CUDA keeps them; pool streams numbered from 100.
+class FakeCuda final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  c10::DeviceType type() const override { return c10::kCUDA; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return gpu(current_device); }
+  void setDevice(c10::Device d) const override { current_device = d.index(); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { current_device = d.index(); }
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return stream(d.index(), current_streams[static_cast<std::size_t>(d.index())]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return stream(d.index(), 0); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    std::lock_guard lk(mu_);
+    return stream(d.index(), next_pool_++);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    const c10::Stream old = getStream(s.device());
+    current_streams[static_cast<std::size_t>(s.device_index())] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return 2; }
+  void record(void** event, const c10::Stream& s, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    std::lock_guard lk(mu_);
+    if (*event == nullptr) *event = reinterpret_cast<void*>(++next_event_);
+    ops_.push_back({"record", reinterpret_cast<std::intptr_t>(*event), s.device_index(), s.id()});
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    std::lock_guard lk(mu_);
+    ops_.push_back({"block", reinterpret_cast<std::intptr_t>(event), s.device_index(), s.id()});
+  }
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream& s) const override {
+    std::lock_guard lk(mu_);
+    ops_.push_back({"in_use", 0, s.device_index(), s.id()});
+  }
+
+  // What was asked since the last call.
+  std::vector<Op> take() const {
+    std::lock_guard lk(mu_);
+    std::vector<Op> out;
+    out.swap(ops_);
+    return out;
+  }
+
+  static inline thread_local int current_device = 0;
+  static inline thread_local std::array<c10::StreamId, 2> current_streams{0, 0};
+
+ private:
+  static c10::Stream stream(c10::DeviceIndex d, c10::StreamId id) {
+    return c10::Stream(c10::Stream::UNSAFE, gpu(d), id);
+  }
+  mutable std::mutex mu_;
+  mutable std::vector<Op> ops_;
+  mutable std::intptr_t next_event_ = 0;
+  mutable c10::StreamId next_pool_ = 100;
+};
+
+// Registers a FakeCuda for its lifetime, if this libtorch has no CUDA implementation.
+class FakeCudaScope {
+ public:
+  FakeCudaScope() : active_(!c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+    if (active_) slot().store(&fake);
+    FakeCuda::current_device = 0;
+    FakeCuda::current_streams = {0, 0};
+  }
+  ~FakeCudaScope() {
+    if (active_) slot().store(nullptr);
+  }
+  FakeCudaScope(const FakeCudaScope&) = delete;
+  FakeCudaScope& operator=(const FakeCudaScope&) = delete;
+  bool active() const { return active_; }
+  FakeCuda fake;
+
+ private:
+  static std::atomic<const c10::impl::DeviceGuardImplInterface*>& slot() {
+    return c10::impl::device_guard_impl_registry[static_cast<std::size_t>(c10::kCUDA)];
+  }
+  bool active_;
+};
+
+// A float tensor whose storage says it is on `d`; its bytes are host memory nobody reads.
+at::Tensor tensor_on(c10::Device d) {
+  static float bytes[4] = {};
+  c10::Storage storage(c10::Storage::use_byte_size_t(), sizeof(bytes), c10::DataPtr(bytes, d),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                   caffe2::TypeMeta::Make<float>());
+  impl->set_sizes_contiguous({4});
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor cpu_tensor() {
+  static float bytes[4] = {};
+  c10::Storage storage(c10::Storage::use_byte_size_t(), sizeof(bytes),
+                       c10::DataPtr(bytes, c10::Device(c10::kCPU)), nullptr, false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::Make<float>());
+  impl->set_sizes_contiguous({4});
+  return at::Tensor(std::move(impl));
+}
+
+#define SKIP_UNLESS_FAKE(scope)                                                           \
+  if (!(scope).active()) {                                                                \
+    MESSAGE("skipped: this libtorch has CUDA; the GPU tests cover futures with devices"); \
+    return;                                                                               \
+  }
+
+TEST_CASE("device future: the devices are checked with PyTorch's texts") {
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([] {
+          (void)make_future<at::Tensor>({c10::Device("cpu")});
+        }) == "Expected devices to have indices, got cpu");
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([] {
+          (void)make_future<at::Tensor>({gpu(0), c10::Device(c10::kCPU)});
+        }) ==
+        "Expected all devices to be of the same type, but got a mismatch between cuda:0 and cpu");
+  // A device type no build of this libtorch has streams for.
+  CHECK(distrpc::testing::error_text<std::invalid_argument>(
+            [] { (void)make_future<at::Tensor>({c10::Device(c10::kXLA, 0)}); }) ==
+        "distrpc::make_future: this libtorch has no streams for xla devices (a build without "
+        "them), so a future on xla:0 cannot be made");
+  // No devices: a plain future.
+  Future<int> plain = make_future<int>(std::vector<c10::Device>{});
+  CHECK(future_devices(plain).empty());
+  plain.set_value(3);
+  CHECK(plain.value() == 3);
+}
+
+TEST_CASE("device future: CUDA devices on a libtorch without CUDA are refused when made") {
+  if (c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+    MESSAGE("skipped: this libtorch has CUDA");
+    return;
+  }
+  CHECK(distrpc::testing::error_text<std::invalid_argument>(
+            [] { (void)make_future<at::Tensor>({gpu(0)}); }) ==
+        "distrpc::make_future: this libtorch has no streams for cuda devices (a build without "
+        "them), so a future on cuda:0 cannot be made");
+}
+
+TEST_CASE("device future: devices sorted, repeats dropped; a value on another device fails it") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(1), gpu(0), gpu(1)});
+  CHECK(future_devices(f) == std::vector<c10::Device>{gpu(0), gpu(1)});
+
+  auto g = make_future<std::vector<at::Tensor>>({gpu(0)});
+  g.set_value(std::vector<at::Tensor>{cpu_tensor(), tensor_on(gpu(0)), tensor_on(gpu(1))});
+  REQUIRE(g.has_error());
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([&] { (void)g.value(); }) ==
+        "The result contained tensors residing on device(s) cuda:1 which are not among the "
+        "expected device(s) cuda:0");
+  CHECK(scope.fake.take().empty());  // nothing recorded for a refused value
+
+  // Inside an IValue (a list of tensors) too.
+  auto h = make_future<c10::IValue>({gpu(0)});
+  h.set_value(c10::IValue(std::vector<at::Tensor>{tensor_on(gpu(1))}));
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([&] {
+          (void)h.value();
+        }).find("residing on device(s) cuda:1") != std::string::npos);
+}
+
+TEST_CASE(
+    "device future: completion records on the producer's streams, value() waits on the "
+    "consumer's") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<std::tuple<at::Tensor, at::Tensor>>({gpu(0), gpu(1)});
+  // The producer works on stream 7 of cuda:0 (and the default stream of cuda:1).
+  std::thread producer([&] {
+    FakeCuda::current_streams = {7, 0};
+    f.set_value(std::make_tuple(cpu_tensor(), tensor_on(gpu(0))));
+  });
+  producer.join();
+  CHECK(scope.fake.take() == std::vector<Op>{{"record", 1, 0, 7}, {"record", 2, 1, 0}});
+
+  // The consumer's current stream on cuda:0 is 3.
+  FakeCuda::current_streams = {3, 0};
+  (void)f.value();
+  CHECK(scope.fake.take() ==
+        std::vector<Op>{{"block", 1, 0, 3}, {"block", 2, 1, 0}, {"in_use", 0, 0, 3}});
+  // Every wait synchronizes again (another stream may be current by then).
+  FakeCuda::current_streams = {4, 5};
+  f.wait();
+  CHECK(scope.fake.take() ==
+        std::vector<Op>{{"block", 1, 0, 4}, {"block", 2, 1, 5}, {"in_use", 0, 0, 4}});
+}
+
+TEST_CASE(
+    "device future: callbacks run on pool streams that wait; then() children keep the devices") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(0)});
+  c10::StreamId seen_stream = -1;
+  int seen_device = -1;
+  FakeCuda::current_device = 0;
+  auto child = f.then([&](Future<at::Tensor>& parent) {
+    seen_stream = FakeCuda::current_streams[0];
+    seen_device = FakeCuda::current_device;
+    return parent.value();
+  });
+  CHECK(future_devices(child) == std::vector<c10::Device>{gpu(0)});
+  scope.fake.take();
+
+  // Completed on stream 9 of cuda:0 with cuda:0 current: the callback runs inline here, on a
+  // pool stream (100) that waits for the completion's event, then the streams are restored.
+  FakeCuda::current_streams = {9, 0};
+  f.set_value(tensor_on(gpu(0)));
+  CHECK(seen_stream == 100);
+  CHECK(seen_device == 0);
+  CHECK(FakeCuda::current_streams[0] == 9);
+  const std::vector<Op> ops = scope.fake.take();
+  // record on 9; the callback's stream waits for it and the tensor is in use there; value()
+  // inside the callback waits again on the current (pool) stream; the child records on it.
+  CHECK(ops == std::vector<Op>{{"record", 1, 0, 9},
+                               {"block", 1, 0, 100},
+                               {"in_use", 0, 0, 100},
+                               {"block", 1, 0, 100},
+                               {"in_use", 0, 0, 100},
+                               {"record", 2, 0, 100}});
+  REQUIRE(child.has_value());
+
+  // via(): the child has the devices and its marks follow the parent's work.
+  auto g = make_future<int>({gpu(1)});
+  auto moved = g.via([](std::function<void()> fn) { fn(); });
+  CHECK(future_devices(moved) == std::vector<c10::Device>{gpu(1)});
+  g.set_value(1);
+  const std::vector<Op> via_ops = scope.fake.take();
+  REQUIRE(via_ops.size() == 3);
+  CHECK(via_ops[0] == Op{"record", 3, 1, 0});    // g completes on the default stream
+  CHECK(via_ops[1] == Op{"block", 3, 1, 101});   // the copy runs on a pool stream waiting for it
+  CHECK(via_ops[2] == Op{"record", 4, 1, 101});  // where the child records
+  CHECK(moved.value() == 1);
+}
+
+TEST_CASE("device future: a void future marks every declared device; a plain future asks nothing") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto done = make_future<void>({gpu(0), gpu(1)});
+  done.set_value();
+  CHECK(scope.fake.take() == std::vector<Op>{{"record", 1, 0, 0}, {"record", 2, 1, 0}});
+
+  Future<at::Tensor> plain;
+  auto after = plain.then([](Future<at::Tensor>& p) { return p.value(); });
+  plain.set_value(tensor_on(gpu(0)));
+  (void)after.value();
+  CHECK(future_devices(after).empty());
+  CHECK(scope.fake.take().empty());
+}
+
+TEST_CASE("device future: a refused value fails then() children with the same error") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(0)});
+  auto child = f.then([](Future<at::Tensor>& p) { return p.value(); });
+  f.set_value(tensor_on(gpu(1)));
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([&] { (void)child.value(); }) ==
+        "The result contained tensors residing on device(s) cuda:1 which are not among the "
+        "expected device(s) cuda:0");
+  // A then() callback returning a value on an undeclared device fails its child alike.
+  auto g = make_future<at::Tensor>({gpu(0)});
+  auto bad = g.then([](Future<at::Tensor>&) { return tensor_on(gpu(1)); });
+  g.set_value(tensor_on(gpu(0)));
+  CHECK(bad.has_error());
+}
+
+}  // namespace device_future_test
