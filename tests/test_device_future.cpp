@@ -182,6 +182,10 @@ TEST_CASE("device future: the devices are checked with PyTorch's texts") {
   CHECK(future_devices(plain).empty());
   plain.set_value(3);
   CHECK(plain.value() == 3);
+  Future<int> on_cpu = make_future<int>({c10::Device(c10::kCPU, 0)});
+  CHECK(future_devices(on_cpu).empty());
+  on_cpu.set_value(4);
+  CHECK(on_cpu.value() == 4);
 }
 
 TEST_CASE("device future: CUDA devices on a libtorch without CUDA are refused when made") {
@@ -209,12 +213,25 @@ TEST_CASE("device future: devices sorted, repeats dropped; a value on another de
         "expected device(s) cuda:0");
   CHECK(scope.fake.take().empty());  // nothing recorded for a refused value
 
-  // Inside an IValue (a list of tensors) too.
+  // Inside an IValue (a list of tensors), a c10::List and a c10::Dict too.
   auto h = make_future<c10::IValue>({gpu(0)});
   h.set_value(c10::IValue(std::vector<at::Tensor>{tensor_on(gpu(1))}));
-  CHECK(distrpc::testing::error_text<std::invalid_argument>([&] {
-          (void)h.value();
-        }).find("residing on device(s) cuda:1") != std::string::npos);
+  CHECK(distrpc::testing::contains(
+      distrpc::testing::error_text<std::invalid_argument>([&] { (void)h.value(); }),
+      "residing on device(s) cuda:1 which"));
+  auto l = make_future<c10::List<at::Tensor>>({gpu(0)});
+  l.set_value(c10::List<at::Tensor>({tensor_on(gpu(0)), tensor_on(gpu(1))}));
+  CHECK(distrpc::testing::contains(
+      distrpc::testing::error_text<std::invalid_argument>([&] { (void)l.value(); }),
+      "residing on device(s) cuda:1 which"));
+  auto d = make_future<c10::Dict<std::string, at::Tensor>>({gpu(1)});
+  c10::Dict<std::string, at::Tensor> dict;
+  dict.insert("w", tensor_on(gpu(0)));
+  d.set_value(dict);
+  CHECK(distrpc::testing::contains(
+      distrpc::testing::error_text<std::invalid_argument>([&] { (void)d.value(); }),
+      "residing on device(s) cuda:0 which are not among the expected device(s) cuda:1"));
+  CHECK(scope.fake.take().empty());
 }
 
 TEST_CASE(
@@ -288,6 +305,84 @@ TEST_CASE(
   CHECK(via_ops[1] == Op{"block", 3, 1, 101});   // the copy runs on a pool stream waiting for it
   CHECK(via_ops[2] == Op{"record", 4, 1, 101});  // where the child records
   CHECK(moved.value() == 1);
+}
+
+TEST_CASE("device future: only the completion that stores its value keeps its events") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(0)});
+  FakeCuda::current_streams = {7, 0};
+  f.set_value(tensor_on(gpu(0)));
+  FakeCuda::current_streams = {8, 0};
+  CHECK_FALSE(f.try_set_value(tensor_on(gpu(0))));
+  CHECK(distrpc::testing::contains(
+      distrpc::testing::error_text<std::logic_error>([&] { f.set_value(tensor_on(gpu(0))); }),
+      "Future can only be marked completed once"));
+  scope.fake.take();
+  FakeCuda::current_streams = {3, 0};
+  (void)f.value();
+  CHECK(scope.fake.take() == std::vector<Op>{{"block", 1, 0, 3}, {"in_use", 0, 0, 3}});
+}
+
+TEST_CASE(
+    "device future: a callback runs with the completion's device current, then it is restored") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(0), gpu(1)});
+  std::thread producer([&] {
+    FakeCuda::current_device = 1;
+    f.set_value(tensor_on(gpu(1)));
+  });
+  producer.join();
+  scope.fake.take();
+  // Registered after completion: runs now, on this thread, whose device is 0.
+  FakeCuda::current_device = 0;
+  int seen_device = -1;
+  std::array<c10::StreamId, 2> seen_streams{-1, -1};
+  f.add_done_callback([&](Future<at::Tensor>&) {
+    seen_device = FakeCuda::current_device;
+    seen_streams = FakeCuda::current_streams;
+  });
+  CHECK(seen_device == 1);
+  CHECK(seen_streams[0] >= 100);
+  CHECK(seen_streams[1] >= 100);
+  CHECK(FakeCuda::current_device == 0);
+  CHECK(FakeCuda::current_streams == std::array<c10::StreamId, 2>{0, 0});
+
+  // After an error: pool streams still, with nothing to wait for.
+  CHECK(scope.fake.take().size() == 3);  // f's two events waited for, its tensor marked in use
+  auto g = make_future<at::Tensor>({gpu(0)});
+  g.set_exception(std::runtime_error("failed"));
+  c10::StreamId failed_stream = -1;
+  g.add_done_callback([&](Future<at::Tensor>&) { failed_stream = FakeCuda::current_streams[0]; });
+  CHECK(failed_stream >= 100);
+  for (const Op& op : scope.fake.take()) CHECK(op.what != "block");
+}
+
+TEST_CASE("device future: a then() callback returning a future with devices") {
+  FakeCudaScope scope;
+  SKIP_UNLESS_FAKE(scope);
+  auto f = make_future<at::Tensor>({gpu(0)});
+  auto inner = make_future<at::Tensor>({gpu(0)});
+  auto child = f.then([&](Future<at::Tensor>&) { return inner; });
+  f.set_value(tensor_on(gpu(0)));
+  REQUIRE_FALSE(child.done());
+  scope.fake.take();
+  FakeCuda::current_streams = {5, 0};
+  inner.set_value(tensor_on(gpu(0)));
+  REQUIRE(child.has_value());
+  // inner records on 5; the child's completion runs on a pool stream waiting for that event and
+  // records its own there.
+  const std::vector<Op> ops = scope.fake.take();
+  REQUIRE(ops.size() == 4);
+  CHECK(ops[0].what == "record");
+  CHECK(ops[0].stream == 5);
+  CHECK(ops[1].what == "block");
+  CHECK(ops[1].event == ops[0].event);
+  CHECK(ops[1].stream >= 100);
+  CHECK(ops[2] == Op{"in_use", 0, 0, ops[1].stream});
+  CHECK(ops[3].what == "record");
+  CHECK(ops[3].stream == ops[1].stream);
 }
 
 TEST_CASE("device future: a void future marks every declared device; a plain future asks nothing") {

@@ -15,16 +15,22 @@
 //     waits, the thread does not), and tell the caching allocator that the value's memory is in
 //     use on those streams.
 //   - then() / add_done_callback() callbacks run with streams taken from the device's pool made
-//     current, each waiting for the events; the device current at completion is current. The
-//     child future of then() / via() has the same devices and records its own events on those
-//     streams, so a chain of callbacks stays ordered without any thread blocking on the GPU.
+//     current, each waiting for the events (after an error: none to wait for); the device current
+//     at completion is current. The child future of then() / via() has the same devices and
+//     records its own events on those streams, so a chain of callbacks stays ordered without any
+//     thread blocking on the GPU. A then() callback that returns a future: the child completes
+//     with that future's value, on the streams current where it completes (pool streams when
+//     that future has devices too).
+//   - Two completions racing (try_set_value from two threads): only the one that stores its value
+//     keeps its events.
 //   - Every declared device, not only those the value's tensors are on: tensors inside class
 //     types other than the standard containers are not found by the check (detail::visit_tensors
 //     says which are), so the events cover them anyway.
 //   - The devices: all of one type, with indices ("Expected devices to have indices, got cpu";
 //     "Expected all devices to be of the same type, but got a mismatch between cuda:0 and cpu");
-//     repeats are dropped; none at all gives a plain future. A device type this libtorch has no
-//     streams for (CUDA on a CPU-only build) is refused when the future is made.
+//     repeats are dropped; none at all, or CPU ones with indices (cpu:0), give a plain future. A
+//     device type this libtorch has no streams for (CUDA on a CPU-only build) is refused when the
+//     future is made.
 // Streams, events and the allocator are reached through c10's device-generic interface, so this
 // header has no CUDA dependency: a CUDA libtorch supplies the CUDA implementation.
 #pragma once
@@ -38,11 +44,10 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -80,7 +85,8 @@ inline std::vector<c10::Device> checked_devices(std::vector<c10::Device> devices
   std::sort(devices.begin(), devices.end(),
             [](const c10::Device& a, const c10::Device& b) { return a.index() < b.index(); });
   devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
-  if (!devices.empty() && !c10::impl::hasDeviceGuardImpl(devices.front().type())) {
+  if (!devices.empty() && !devices.front().is_cpu() &&
+      !c10::impl::hasDeviceGuardImpl(devices.front().type())) {
     throw std::invalid_argument("distrpc::make_future: this libtorch has no streams for " +
                                 c10::DeviceTypeName(devices.front().type(), true) +
                                 " devices (a build without them), so a future on " +
@@ -114,17 +120,17 @@ class StorageCollector final : public TensorSink {
 // The CompletionSync of a future with devices (the header comment says what each step does).
 class DeviceSync final : public CompletionSync {
  public:
-  // `devices`: already checked (checked_devices), not empty.
+  // `devices`: already checked (checked_devices), not empty, not CPU.
   explicit DeviceSync(std::vector<c10::Device> devices)
       : impl_(devices.front().type()), devices_(std::move(devices)) {}
 
   const std::vector<c10::Device>& devices() const noexcept { return devices_; }
 
-  void record(FunctionRef<void(TensorSink&)> visit) override {
+  std::shared_ptr<const void> record(FunctionRef<void(TensorSink&)> visit) const override {
     StorageCollector found;
     visit(found);
+    auto marks = std::make_shared<Marks>();
     std::vector<c10::Device> excess;
-    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
     for (const c10::Storage& s : found.storages) {
       const c10::Device d = s.device();
       if (d.is_cpu()) continue;
@@ -136,7 +142,7 @@ class DeviceSync final : public CompletionSync {
       if (!declared(d) && std::find(excess.begin(), excess.end(), d) == excess.end()) {
         excess.push_back(d);
       }
-      storages.push_back(s.getWeakStorageImpl());
+      marks->storages.push_back(s.getWeakStorageImpl());
     }
     if (!excess.empty()) {
       std::sort(excess.begin(), excess.end(),
@@ -145,21 +151,22 @@ class DeviceSync final : public CompletionSync {
           "The result contained tensors residing on device(s) " + format_devices(excess) +
           " which are not among the expected device(s) " + format_devices(devices_));
     }
-    std::vector<c10::Event> events;
-    events.reserve(devices_.size());
+    marks->events.reserve(devices_.size());
     for (const c10::Device& d : devices_) {
-      events.emplace_back(impl_.type());
-      events.back().record(impl_.getStream(d));
+      marks->events.emplace_back(impl_.type());
+      marks->events.back().record(impl_.getStream(d));
     }
-    std::lock_guard lk(mu_);
-    events_ = std::move(events);
-    storages_ = std::move(storages);
-    device_ = impl_.getDevice();
+    marks->device = impl_.getDevice();
+    return marks;
+  }
+
+  void commit(std::shared_ptr<const void> marks) noexcept override {
+    marks_ = std::static_pointer_cast<const Marks>(std::move(marks));
   }
 
   void synchronize() const override {
-    std::lock_guard lk(mu_);
-    for (const c10::Event& e : events_) e.block(impl_.getStream(e.device()));
+    if (!marks_) return;
+    for (const c10::Event& e : marks_->events) e.block(impl_.getStream(e.device()));
     mark_in_use([&](const c10::Device& d) { return impl_.getStream(d); });
   }
 
@@ -167,19 +174,15 @@ class DeviceSync final : public CompletionSync {
     std::vector<c10::Stream> streams;
     streams.reserve(devices_.size());
     for (const c10::Device& d : devices_) streams.push_back(impl_.getStreamFromGlobalPool(d));
-    std::optional<c10::Device> device;
-    {
-      std::lock_guard lk(mu_);
-      for (const c10::Event& e : events_) {
-        for (const c10::Stream& s : streams) {
-          if (s.device() == e.device()) e.block(s);
-        }
-      }
-      mark_in_use([&](const c10::Device& d) {
-        return *std::find_if(streams.begin(), streams.end(),
-                             [&](const c10::Stream& s) { return s.device() == d; });
-      });
-      device = device_;
+    auto stream_on = [&](const c10::Device& d) {
+      return *std::find_if(streams.begin(), streams.end(),
+                           [&](const c10::Stream& s) { return s.device() == d; });
+    };
+    c10::optional<c10::Device> device;
+    if (marks_) {
+      for (const c10::Event& e : marks_->events) e.block(stream_on(e.device()));
+      mark_in_use(stream_on);
+      device = marks_->device;
     }
     return std::make_shared<Scope>(device, streams);
   }
@@ -189,11 +192,18 @@ class DeviceSync final : public CompletionSync {
   }
 
  private:
-  // The current device and streams, restored in reverse order when the callback is done.
+  // What a completion leaves for the waiters: an event per declared device, the value's device
+  // memory, and the device current at completion.
+  struct Marks {
+    std::vector<c10::Event> events;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;  // weak: not kept alive
+    c10::optional<c10::Device> device;
+  };
+
+  // The device, then the streams, made current; restored in the reverse order.
   struct Scope {
-    Scope(std::optional<c10::Device> d, const std::vector<c10::Stream>& s) : streams(s) {
-      if (d) device.reset_device(*d);
-    }
+    Scope(c10::optional<c10::Device> d, const std::vector<c10::Stream>& s)
+        : device(d), streams(s) {}
     c10::OptionalDeviceGuard device;
     c10::MultiStreamGuard streams;
   };
@@ -203,10 +213,10 @@ class DeviceSync final : public CompletionSync {
   }
 
   // Tells the caching allocator that the value's memory is used on `stream_of(device)` too, so
-  // it is not reused before the work queued there is done. Under mu_.
+  // it is not reused before the work queued there is done.
   template <class StreamOf>
   void mark_in_use(StreamOf&& stream_of) const {
-    for (const auto& weak : storages_) {
+    for (const auto& weak : marks_->storages) {
       c10::intrusive_ptr<c10::StorageImpl> s = weak.lock();
       if (s) impl_.recordDataPtrOnStream(s->data_ptr(), stream_of(s->device()));
     }
@@ -214,22 +224,21 @@ class DeviceSync final : public CompletionSync {
 
   const c10::impl::VirtualGuardImpl impl_;
   const std::vector<c10::Device> devices_;
-  mutable std::mutex mu_;
-  std::vector<c10::Event> events_;
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;  // weak: not kept alive
-  std::optional<c10::Device> device_;  // current when the value was recorded
+  std::shared_ptr<const Marks> marks_;  // set by the winning completion, before publication
 };
 
 }  // namespace detail
 
-// A pending future whose value is synchronized on `devices` (see the header comment); no devices:
-// a plain future, as make_future<T>(). Throws std::invalid_argument for devices of two types, a
-// device without an index (e.g. cpu), or a device type this libtorch has no streams for.
+// A pending future whose value is synchronized on `devices` (see the header comment); no devices,
+// or CPU ones (cpu:0): a plain future, as make_future<T>(). Throws std::invalid_argument for
+// devices of two types, a device without an index (e.g. cpu), or a device type this libtorch has no
+// streams for.
 template <class T>
 Future<T> make_future(std::vector<c10::Device> devices) {
   Future<T> f;
   devices = detail::checked_devices(std::move(devices));
-  if (!devices.empty()) {
+  // CPU devices with indices (cpu:0) are accepted and need nothing, as in PyTorch.
+  if (!devices.empty() && !devices.front().is_cpu()) {
     detail::FutureAccess::state(f)->set_sync(
         std::make_shared<detail::DeviceSync>(std::move(devices)));
   }

@@ -89,6 +89,10 @@ class Tensor;
 }  // namespace at
 namespace c10 {
 struct IValue;
+template <class T>
+class List;
+template <class K, class V>
+class Dict;
 }  // namespace c10
 
 namespace distrpc {
@@ -257,6 +261,13 @@ template <class T, std::size_t N>
 struct is_tuple_like<std::array<T, N>> : std::true_type {};
 
 template <class T>
+struct c10_container : std::false_type {};
+template <class E>
+struct c10_container<c10::List<E>> : std::true_type {};
+template <class K, class V>
+struct c10_container<c10::Dict<K, V>> : std::true_type {};
+
+template <class T>
 concept OptionalLike = requires(const T& v) {
   { v.has_value() } -> std::convertible_to<bool>;
   *v;
@@ -265,21 +276,25 @@ template <class T>
 concept MapLike = requires {
   typename T::mapped_type;
 }
-&&std::ranges::range<const T>;
+&&std::ranges::range<const T>&& requires(const std::ranges::range_value_t<const T>& kv) {
+  kv.second;
+};
 template <class T>
 concept Container =
     std::ranges::range<const T> && !std::is_convertible_v<const T&, std::string_view> &&
     !std::is_same_v<std::ranges::range_value_t<const T>, T>;  // e.g. a path
 
-// Hands every tensor of `v` to `sink`: tensors and IValues themselves, and what standard
-// containers (ranges, maps' values, optionals, tuples, pairs, arrays) hold. The members of other
-// class types are not seen (device_future.hpp says what that means).
+// Hands every tensor of `v` to `sink`: tensors and IValues themselves, and what c10's List and
+// Dict and the standard containers (ranges, maps' values, optionals, tuples, pairs, arrays) hold.
+// The members of other class types are not seen (device_future.hpp says what that means).
 template <class T>
 void visit_tensors(const T& v, TensorSink& sink) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
     sink.tensor(v);
   } else if constexpr (std::is_same_v<T, c10::IValue>) {
     sink.ivalue(v);
+  } else if constexpr (c10_container<T>::value) {
+    sink.ivalue(v);  // an IValue holds it (the sink converts; libtorch is there by then)
   } else if constexpr (is_tuple_like<T>::value) {
     std::apply([&](const auto&... e) { (visit_tensors(e, sink), ...); }, v);
   } else if constexpr (OptionalLike<T>) {
@@ -299,11 +314,16 @@ class CompletionSync {
   virtual ~CompletionSync() = default;
   // On the completing thread, before the value is stored: checks the value's tensors (`visit`
   // hands them to a sink) and marks the end of the work queued so far on the current streams.
-  // Throws to fail the future with that error instead.
-  virtual void record(FunctionRef<void(TensorSink&)> visit) = 0;
+  // Throws to fail the future with that error instead. Returns the marks, which only the
+  // completion that wins keeps (commit).
+  virtual std::shared_ptr<const void> record(FunctionRef<void(TensorSink&)> visit) const = 0;
+  // Under the state's lock, by the completion that stores the value: keeps `marks`. They are
+  // immutable once the value is published, so the calls below read them without a lock.
+  virtual void commit(std::shared_ptr<const void> marks) noexcept = 0;
   // On a thread that waited for the value: its current streams wait for the marks.
   virtual void synchronize() const = 0;
-  // Around a callback: streams that wait for the marks are current until the result is dropped.
+  // Around a callback: streams that wait for the marks (none after an error) are current until
+  // the result is dropped.
   virtual std::shared_ptr<void> enter() const = 0;
   // For a future completed from this one's value (a then() or via() child): same devices.
   virtual std::shared_ptr<CompletionSync> fresh() const = 0;
@@ -401,7 +421,6 @@ class StateBase {
   // Before the future is handed out (see CompletionSync).
   void set_sync(std::shared_ptr<CompletionSync> s) noexcept { sync_ = std::move(s); }
   CompletionSync* sync() const noexcept { return sync_.get(); }
-  const std::shared_ptr<CompletionSync>& sync_ptr() const noexcept { return sync_; }
 
  private:
   // Lets the driver (if any, and still alive) poll for the outcome before the caller sleeps.
@@ -424,9 +443,9 @@ class StateBase {
   std::shared_ptr<CompletionSync> sync_;  // null unless made with devices
 };
 
-// The streams scope of a callback on `s`'s value (null: nothing to do).
+// The streams scope of a callback on `s`'s outcome (null: nothing to do).
 inline std::shared_ptr<void> enter_sync(const StateBase& s) {
-  return s.sync() != nullptr && s.status() == Status::value ? s.sync()->enter() : nullptr;
+  return s.sync() != nullptr ? s.sync()->enter() : nullptr;
 }
 // Gives `child` the devices of `parent`, if it has any.
 inline void inherit_sync(const StateBase& parent, StateBase& child) {
@@ -700,11 +719,15 @@ class [[nodiscard]] Future : public FutureBase {
   }
   bool try_set_value() const requires std::is_void_v<T> {
     if (auto* sync = state_or_throw()->sync()) {
+      if (done()) return false;
+      std::shared_ptr<const void> marks;
       try {
-        sync->record([](detail::TensorSink&) {});
+        marks = sync->record([](detail::TensorSink&) {});
       } catch (...) {
         return detail::StateBase::complete_error(state_, std::current_exception());
       }
+      return detail::StateBase::complete(state_, detail::Status::value,
+                                         [&] { sync->commit(std::move(marks)); });
     }
     return detail::StateBase::complete(state_or_throw(), detail::Status::value, [] {});
   }
@@ -723,15 +746,22 @@ class [[nodiscard]] Future : public FutureBase {
   requires(!std::is_void_v<T> && std::constructible_from<T, U&&>) bool try_set_value(U&& v) const {
     auto& st = typed();
     if (auto* sync = state_or_throw()->sync()) {
-      // The check reads the value, so it is made first; a value it refuses fails the future.
-      T value(std::forward<U>(v));
+      // The check reads the argument (the value is made from it under the lock); a value it
+      // refuses fails the future. Two completions racing here may both record: only the one
+      // that stores its value commits its marks (and the other's argument may be moved from).
+      if (done()) return false;
+      std::shared_ptr<const void> marks;
       try {
-        sync->record([&](detail::TensorSink& sink) { detail::visit_tensors(value, sink); });
+        marks = sync->record([&](detail::TensorSink& sink) {
+          detail::visit_tensors(static_cast<const std::remove_cvref_t<U>&>(v), sink);
+        });
       } catch (...) {
         return detail::StateBase::complete_error(state_, std::current_exception());
       }
-      return detail::StateBase::complete(state_, detail::Status::value,
-                                         [&] { st.value.emplace(std::move(value)); });
+      return detail::StateBase::complete(state_, detail::Status::value, [&] {
+        st.value.emplace(std::forward<U>(v));
+        sync->commit(std::move(marks));
+      });
     }
     return detail::StateBase::complete(state_, detail::Status::value,
                                        [&] { st.value.emplace(std::forward<U>(v)); });
