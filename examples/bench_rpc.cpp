@@ -8,6 +8,7 @@
 //                            [--tls [DIR]]   (mutual TLS on tcp: DIR holds ca.pem, cert.pem and
 //                                             key.pem; without DIR they are made with the openssl
 //                                             command line in a temporary folder)
+//   build/examples/bench_rpc --cuda [--transport T] [--big N]   (the GPU figures below only)
 //
 // echo_small_us    median round trip of rpc_sync(ident, tensor of 4 floats)
 // echo_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor (median)
@@ -26,6 +27,13 @@
 //                  the distributed backward, get_gradients (500 steps after 50)
 // local_step_us    the same module's forward + backward run locally (the target:
 //                  dist_step_us <= 1.25 x (2 x echo_small_us + local_step_us))
+//
+// With --cuda (two processes sharing cuda:0, device map {0: 0} both ways; nulls and "skipped"
+// without a GPU):
+// echo_cuda_64MiB_GBps  bytes moved (there and back) per second echoing a 64 MiB float tensor
+//                       on cuda:0 (median of --big)
+// cuda_d2d_copy_GBps    the GPU's own limit: bytes per second of a 64 MiB device-to-device copy
+//                       on cuda:0 (median of 20)
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -88,6 +96,7 @@ struct Args {
   int sync_spin_us = -1;  // -1: the library's default (RpcBackendOptions::sync_wait_spin)
   bool tls = false;
   std::string tls_dir;  // empty with tls: made for this run
+  bool cuda = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -116,13 +125,16 @@ Args parse(int argc, char** argv) {
       a.async_windows = std::stoi(next());
     } else if (k == "--sync-spin-us") {
       a.sync_spin_us = std::stoi(next());
+    } else if (k == "--cuda") {
+      a.cuda = true;
     } else if (k == "--tls") {
       a.tls = true;
       if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a.tls_dir = argv[++i];
     } else {
-      throw std::invalid_argument("unknown argument '" + k +
-                                  "' (expected --transport tcp|shm|auto, --small N, --big N, "
-                                  "--async N, --async-windows N, --sync-spin-us N, --tls [DIR])");
+      throw std::invalid_argument(
+          "unknown argument '" + k +
+          "' (expected --transport tcp|shm|auto, --small N, --big N, "
+          "--async N, --async-windows N, --sync-spin-us N, --tls [DIR], --cuda)");
     }
   }
   for (const auto& [name, value] : {std::pair<const char*, int>{"--small", a.small},
@@ -165,6 +177,31 @@ double median_us(F&& fn, int n, int warm) {
   return median(std::move(lat));
 }
 
+// The GPU figures (--cuda), on worker0; the group is already up with device maps {0: 0}.
+std::string cuda_figures(const Args& a) {
+  const at::Tensor big = torch::ones({16 * 1024 * 1024}, torch::device(torch::kCUDA));
+  torch::cuda::synchronize();
+  // rpc_sync returns once the reply's tensor is on cuda:0 (copied there before the reply
+  // completes), so no synchronization is needed inside the timed call.
+  const double echo_us =
+      median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", big); }, a.big, 1);
+  at::Tensor dst = torch::empty_like(big);
+  const double copy_us = median_us(
+      [&] {
+        dst.copy_(big);
+        torch::cuda::synchronize();
+      },
+      20, 2);
+  const double bytes = static_cast<double>(big.nbytes());
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "{\"transport\": \"%s\", \"echo_cuda_64MiB_GBps\": %.3f, "
+                "\"cuda_d2d_copy_GBps\": %.3f}",
+                a.transport.c_str(), 2.0 * bytes / (echo_us / 1e6) / 1e9,
+                bytes / (copy_us / 1e6) / 1e9);
+  return buf;
+}
+
 int run_worker(const Args& a) {
   distrpc::RpcBackendOptions opts;
   opts.init_method = a.init;
@@ -172,6 +209,7 @@ int run_worker(const Args& a) {
   opts.rpc_timeout = std::chrono::seconds(120);
   if (a.sync_spin_us >= 0) opts.sync_wait_spin = std::chrono::microseconds(a.sync_spin_us);
   const std::string me = "worker" + std::to_string(a.rank);
+  if (a.cuda) opts.set_device_map("worker" + std::to_string(1 - a.rank), {{0, 0}});
 #ifdef BENCH_HAVE_SHM
   if (a.transport == "shm") {
     distrpc::init_rpc<distrpc::transport::Shm>(me, a.rank, 2, opts);
@@ -183,7 +221,9 @@ int run_worker(const Args& a) {
   {
     distrpc::init_rpc<distrpc::transport::Tcp>(me, a.rank, 2, opts);
   }
-  if (a.rank == 0) {
+  if (a.rank == 0 && a.cuda) {
+    std::ofstream(a.out) << cuda_figures(a) << "\n";
+  } else if (a.rank == 0) {
     const at::Tensor small = torch::ones({4});
     const double echo_small = median_us([&] { (void)distrpc::rpc_sync<&ident>("worker1", small); },
                                         a.small, a.small / 10);
@@ -291,6 +331,13 @@ std::string make_certs() {
 }
 
 int launch(Args a) {
+  if (a.cuda && !torch::cuda::is_available()) {
+    std::printf(
+        "{\"transport\": \"%s\", \"echo_cuda_64MiB_GBps\": null, \"cuda_d2d_copy_GBps\": null, "
+        "\"skipped\": \"no GPU\"}\n",
+        a.transport.c_str());
+    return 0;
+  }
   std::string made;
   if (a.tls) {
     if (a.transport != "tcp") throw std::invalid_argument("--tls needs --transport tcp");
@@ -313,11 +360,14 @@ int launch(Args a) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } cleanup{made};
-  const std::string line = distrpc_examples::run_local_group_for_result(
-      2, "bench",
-      {"--transport", a.transport, "--small", std::to_string(a.small), "--big",
-       std::to_string(a.big), "--async", std::to_string(a.async_calls), "--async-windows",
-       std::to_string(a.async_windows), "--sync-spin-us", std::to_string(a.sync_spin_us)});
+  std::vector<std::string> args{"--transport",     a.transport,
+                                "--small",         std::to_string(a.small),
+                                "--big",           std::to_string(a.big),
+                                "--async",         std::to_string(a.async_calls),
+                                "--async-windows", std::to_string(a.async_windows),
+                                "--sync-spin-us",  std::to_string(a.sync_spin_us)};
+  if (a.cuda) args.push_back("--cuda");
+  const std::string line = distrpc_examples::run_local_group_for_result(2, "bench", args);
   if (line.empty()) {
     std::fprintf(stderr, "bench_rpc: a worker failed\n");
     return 1;

@@ -6,6 +6,10 @@
 # those folders along). Nothing is installed.
 #   DISTRPC_TORCH_DIR  another libtorch folder (holding include/ and lib/) instead of PyTorch's
 #   DISTRPC_GPU_BUILD  the build directory (build-gpu)
+#   DISTRPC_GPU_QUICK  1: run only the cases about devices, CUDA and GPUs (a short GPU session:
+#                      the whole build still shows that everything compiles against this libtorch)
+#   DISTRPC_GPU_BENCH  0: skip the GPU benchmarks at the end (bench_rpc --cuda beside
+#                      examples/reference/torch_cuda_rpc_ref.py, one JSON line each)
 #   PYTHON             the Python whose torch is used (python3)
 # Last line: "N passed, M failed"; exit non-zero on any failure.
 set -uo pipefail
@@ -30,15 +34,31 @@ fail_build() { echo "   $1 failed"; tail -60 "$build/meson-logs/meson-log.txt" 2
 distrpc_configure "$build" -Dtorch_dir="$torch_dir" --wrap-mode=nodownload || fail_build "configure"
 # An existing build directory made for another libtorch follows this one.
 meson configure "$build" -Dtorch_dir="$torch_dir" >/dev/null || fail_build "configure"
-targets=$(distrpc_test_targets "$build")
+targets="$(distrpc_test_targets "$build") examples/bench_rpc"
 DISTRPC_JOBS=${DISTRPC_JOBS:-$(nproc)} DISTRPC_TARGETS="$targets" distrpc_build "$build" ||
   fail_build "build"
 
 passed=0
 failed=0
 logdir=$(mktemp -d)
-run_suites "$build" ""
+if [ "${DISTRPC_GPU_QUICK:-0}" = "1" ]; then
+  # doctest's -tc is case-insensitive: every case naming a device, CUDA or a GPU.
+  for t in "$build"/tests/test_*; do
+    [ -x "$t" ] && [ -f "$t" ] || continue
+    DISTRPC_TEST_TRANSPORT=tcp run_suite "$(basename "$t")[devices]" "$t" \
+      -tc='*device*,*cuda*,*gpu*'
+  done
+else
+  run_suites "$build" ""
+fi
 rm -rf "$logdir"
+
+# The GPU benchmarks, side by side with PyTorch's own stack in the same run (docs/benchmarks.md).
+if [ "${DISTRPC_GPU_BENCH:-1}" = "1" ]; then
+  header "GPU benchmarks (bench_rpc --cuda, then PyTorch's RPC with a device map)"
+  for tr in shm tcp; do timeout 300 "$build/examples/bench_rpc" --cuda --transport "$tr"; done
+  timeout 300 "$python" examples/reference/torch_cuda_rpc_ref.py
+fi
 header "end"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -126,6 +126,17 @@ void set_fail(bool f) {
   fail_backward.store(f);
 }
 
+// A hook on the tensor the request brought (its gradient doubled on the callee), then an interior
+// node (x * 3) or none (x itself) between it and the reply.
+at::Tensor hooked_times3(at::Tensor x) {
+  x.register_hook([](at::Tensor g) { return g * 2; });
+  return x * 3;
+}
+at::Tensor hooked_identity(at::Tensor x) {
+  x.register_hook([](at::Tensor g) { return g * 2; });
+  return x;
+}
+
 }  // namespace ag_test
 
 // ---- 1. contexts -------------------------------------------------------------------------------
@@ -363,6 +374,49 @@ DISTRPC_MP_TEST(
       da::backward(c.id(), {(a * 2).sum(), (a * 3).sum()});
       CHECK(same(grad_of(c.id(), a), at::full({2}, 5.0)));
       CHECK_FALSE(a.grad().defined());
+    }
+  }
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: a tensor's hooks run once, whether the pass reaches it through the engine or "
+    "straight from the message, on leaves and on tensors a message brought",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    auto hooked_leaf = [] {
+      at::Tensor t = torch::ones({2, 2}, torch::requires_grad());
+      t.register_hook([](at::Tensor g) { return g * 2; });
+      return t;
+    };
+    {  // leaf behind an interior node (t * 1.5) on the caller: the engine runs the pass
+      da::Context c;
+      at::Tensor t = hooked_leaf();
+      auto r = distrpc::rpc_sync<&ag_test::add>("worker1", t * 1.5, t * 1.5);
+      da::backward(c.id(), {r.sum()});
+      CHECK(same(grad_of(c.id(), t), at::full({2, 2}, 6.0)));  // (1 + 1) * 1.5, doubled once
+    }
+    {  // leaf sent as it is: the gradient comes straight from the message
+      da::Context c;
+      at::Tensor t = hooked_leaf();
+      auto r = distrpc::rpc_sync<&ag_test::mul>("worker1", t, at::full({2, 2}, 3.0));
+      da::backward(c.id(), {r.sum()});
+      CHECK(same(grad_of(c.id(), t), at::full({2, 2}, 6.0)));
+    }
+    {  // a hook the callee put on the tensor it received, behind an interior node there
+      da::Context c;
+      at::Tensor t = torch::ones({2, 2}, torch::requires_grad());
+      auto r = distrpc::rpc_sync<&ag_test::hooked_times3>("worker1", t);
+      da::backward(c.id(), {r.sum()});
+      CHECK(same(grad_of(c.id(), t), at::full({2, 2}, 6.0)));
+    }
+    {  // and with the received tensor sent back as it is
+      da::Context c;
+      at::Tensor t = torch::ones({2, 2}, torch::requires_grad());
+      auto r = distrpc::rpc_sync<&ag_test::hooked_identity>("worker1", t);
+      da::backward(c.id(), {(r * 5).sum()});
+      CHECK(same(grad_of(c.id(), t), at::full({2, 2}, 10.0)));
     }
   }
   distrpc::shutdown();

@@ -76,6 +76,13 @@ TEST_CASE("C10dStoreAdapter forwards every c10d::Store call to the distrpc store
 
   store->wait({"b", "n"});  // present: returns at once
   store->wait({"b"}, std::chrono::milliseconds(10));
+
+  // clone() (libtorch 2.x's Store asks for it): another handle on the same distrpc store.
+  c10::intrusive_ptr<c10d::Store> copy = static_cast<C10dStoreAdapter&>(*store).clone();
+  CHECK(copy.get() != store.get());
+  copy->set("c", v("gamma"));
+  CHECK(store->get("c") == v("gamma"));
+  CHECK(inner->get_string("c") == "gamma");
 }
 
 TEST_CASE("C10dStoreAdapter turns distrpc store errors into c10::Error with the same text") {

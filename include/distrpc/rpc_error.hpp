@@ -154,7 +154,9 @@ class ExceptionRegistry {
   template <class E>
   void add_c10(std::string name) {
     add_factory(typeid(E), std::move(name), [](const std::string& msg) {
-      return std::make_exception_ptr(E(msg, /*backtrace=*/""));
+      // {}: an empty backtrace, a std::string in libtorch 1.13 and a null
+      // pointer to a lazily made one in 2.x.
+      return std::make_exception_ptr(E(msg, /*backtrace=*/{}));
     });
   }
 

@@ -1,5 +1,7 @@
 // What differs between the libtorch versions distrpc builds against (Debian's 1.13 and 2.x), in
-// one place: code elsewhere calls these and never tests TORCH_VERSION itself.
+// one place: code elsewhere calls these and never tests TORCH_VERSION itself. Where a difference
+// is a member that only one version has, a template with a requires-expression picks the form
+// that compiles, so no version macro is needed.
 #pragma once
 
 #include <ATen/Context.h>
@@ -21,6 +23,32 @@ inline int cuda_device_count() {
     }
   }();
   return count;
+}
+
+// Hooks registered on a tensor (Tensor::register_hook) run on the gradient its node receives.
+// libtorch 2.x keeps them as the node's "tensor pre-hooks" (a leaf's: its AccumulateGrad's), and
+// its engine runs them even for a node whose gradient it only captures; 1.13 keeps a leaf's on
+// the tensor and a non-leaf's as plain pre-hooks of its node, and a captured node runs none.
+// `N` is torch::autograd::Node or a subclass (a template, so that the member's absence in 1.13
+// is not an error).
+template <class N>
+constexpr bool engine_runs_captured_tensor_hooks() {
+  return requires(N & n) {
+    n.tensor_pre_hooks();
+  };
+}
+
+// Calls f(hook) for each tensor hook of `node`. `leaf_hooks()` returns the leaf tensor's hook list
+// when `node` is a leaf's AccumulateGrad, else null (where 1.13 keeps a leaf's hooks).
+template <class N, class LeafHooks, class F>
+void for_each_tensor_hook(N& node, LeafHooks&& leaf_hooks, F&& f) {
+  if constexpr (engine_runs_captured_tensor_hooks<N>()) {
+    for (const auto& h : node.tensor_pre_hooks()) f(*h);
+  } else if (const auto* hooks = leaf_hooks()) {
+    for (const auto& h : *hooks) f(*h);
+  } else {
+    for (const auto& h : node.pre_hooks()) f(*h);
+  }
 }
 
 inline c10::Device to_c10(DeviceName d) {

@@ -37,6 +37,7 @@
 
 #include "distrpc/autograd/context.hpp"
 #include "distrpc/autograd/functions.hpp"
+#include "distrpc/torch_compat.hpp"
 
 namespace distrpc::dist_autograd::detail {
 
@@ -134,13 +135,32 @@ inline bool shares_nodes(const DistAutogradContext& ctx, const edge_list& roots,
   return false;
 }
 
-// The gradient a leaf receives after its hooks (the tensor's hooks, then its AccumulateGrad's
-// pre-hooks), accumulated into the context; the AccumulateGrad's post-hooks then see it.
+// Runs the hooks registered on the tensors whose gradients `node` receives (a leaf's
+// AccumulateGrad, or a recv function: the tensors a message brought), on `grads`.
+inline variable_list run_tensor_hooks(Node& node, variable_list grads) {
+  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(&node);
+  compat::for_each_tensor_hook(
+      node,
+      [&]() -> const auto* { return acc ? &torch::autograd::impl::hooks(acc->variable) : nullptr; },
+      [&](auto& hook) { grads = hook(grads); });
+  return grads;
+}
+
+// Whether the engine, when it ran, already ran the tensor hooks of the gradients it captured.
+inline constexpr bool kEngineRanTensorHooks = compat::engine_runs_captured_tensor_hooks<Node>();
+
+// The gradient a leaf receives after its hooks (the tensor's hooks unless `hooks_done`, then its
+// AccumulateGrad's pre-hooks), accumulated into the context; the AccumulateGrad's post-hooks then
+// see it.
 inline void deliver_to_leaf(DistAutogradContext& ctx, torch::autograd::AccumulateGrad& acc,
-                            at::Tensor grad) {
+                            at::Tensor grad, bool hooks_done) {
   if (!grad.defined()) return;
   const at::Tensor& leaf = acc.variable;
-  grad = torch::autograd::AccumulateGrad::callHooks(leaf, std::move(grad));
+  if (!hooks_done) {
+    variable_list g = run_tensor_hooks(acc, variable_list{std::move(grad)});
+    grad = g.empty() ? at::Tensor() : g[0];
+    if (!grad.defined()) return;
+  }
   for (const auto& hook : acc.pre_hooks()) {
     variable_list g = (*hook)(variable_list{grad});
     grad = g.empty() ? at::Tensor() : g[0];
@@ -216,12 +236,16 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
     if (plan.outputs.empty()) return;
     const bool keep = retain_graph || shares_nodes(*ctx, roots, plan.interior);
     variable_list out;
+    bool hooks_done = false;  // the tensor hooks of the captured gradients
     if (!direct_outputs(roots, grads, plan, out)) {
       out = torch::autograd::Engine::get_default_engine().execute(
           roots, grads, keep, /*create_graph=*/false, /*accumulate_grad=*/false, plan.outputs);
+      hooks_done = kEngineRanTensorHooks;
     }
     std::size_t k = 0;
-    for (const auto& leaf : plan.leaves) deliver_to_leaf(*ctx, *leaf, std::move(out[k++]));
+    for (const auto& leaf : plan.leaves) {
+      deliver_to_leaf(*ctx, *leaf, std::move(out[k++]), hooks_done);
+    }
     for (const auto& recv : plan.recvs) {
       variable_list g;
       bool any = false;
@@ -230,6 +254,9 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
         g.push_back(std::move(out[k++]));
       }
       if (!any) continue;
+      // Hooks on the tensors the message brought run as the engine would run them on the recv
+      // function, once.
+      if (!hooks_done) g = run_tensor_hooks(*recv, std::move(g));
       // The recv function never runs on the engine here: its work is this send, profiled under
       // its name.
       RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());

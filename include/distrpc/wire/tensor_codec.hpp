@@ -297,7 +297,8 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, 
       const std::int64_t nbytes = *span * item;
       storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
                              /*resizable=*/true);
-      std::memcpy(storage.data(), base + byte_start, static_cast<std::size_t>(nbytes));
+      // data_ptr().get(): Storage::data() is const in libtorch 2.x.
+      std::memcpy(storage.data_ptr().get(), base + byte_start, static_cast<std::size_t>(nbytes));
     }
   }
   auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, meta);

@@ -119,7 +119,23 @@ class C10dStoreAdapter : public c10d::Store {
     c10d::Store::setTimeout(timeout);
   }
 
-  const std::shared_ptr<distrpc::store::Store>& store() const noexcept { return store_; }
+  // libtorch 2.x's Store declares clone() (a thread-safe handle to the same store) pure virtual;
+  // 1.13's has none, so this overrides it there and is a plain member here (no `override`: it
+  // would not compile against 1.13). The distrpc store is safe to share between threads.
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Winconsistent-missing-override"
+#endif
+  c10::intrusive_ptr<c10d::Store> clone() {
+    return c10::make_intrusive<C10dStoreAdapter>(store_);
+  }
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
+
+  const std::shared_ptr<distrpc::store::Store>& store() const noexcept {
+    return store_;
+  }
 
  private:
   static distrpc::store::Store& checked(const std::shared_ptr<distrpc::store::Store>& store) {
