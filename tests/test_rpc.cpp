@@ -158,6 +158,8 @@ int raise_kind(std::string kind, std::string msg) {
     TORCH_CHECK_INDEX(false, msg);
   }
   if (kind == "unregistered") throw UnregisteredError(msg);
+  // A c10::Error subclass distrpc does not name (as libtorch 2.x's c10::DistStoreError).
+  if (kind == "c10_other") C10_THROW_ERROR(OutOfMemoryError, msg);
   if (kind == "mine") throw MyError(msg);
   if (kind == "size") return static_cast<int>((at::ones({2}) + at::ones({3})).numel());
   return 0;
@@ -899,6 +901,8 @@ DISTRPC_MP_TARGET("rpc target: remote exceptions") {
                                 "c10::IndexError");
   // An op error from libtorch itself.
   expect_exact<c10::Error>(call("size", ""), "size of tensor", "op error");
+  // Another c10::Error subclass arrives as c10::Error, its message kept.
+  expect_exact<c10::Error>(call("c10_other", "oom" + tag), "oom" + tag, "c10 subclass");
   // Multi-line messages keep real newlines.
   expect_exact<std::runtime_error>(call("runtime", "line one\nline two\nline three"),
                                    "line one\nline two\nline three", "multi-line");

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <typeindex>
@@ -99,8 +100,10 @@ class ExceptionRegistry {
     try {
       std::rethrow_exception(p);
     } catch (const c10::Error& e) {
-      // what() of a c10::Error carries a C++ backtrace; the caller wants the message.
-      return {name_of(typeid(e)), e.what_without_backtrace()};
+      // what() of a c10::Error carries a C++ backtrace; the caller wants the message. A subclass
+      // not registered here (c10::OutOfMemoryError, libtorch 2.x's c10::DistStoreError, ...)
+      // travels as c10::Error, which callers catch, rather than as an unknown type.
+      return {registered_name(typeid(e)).value_or("c10::Error"), e.what_without_backtrace()};
     } catch (const std::exception& e) {
       return {name_of(typeid(e)), e.what()};
     } catch (...) {
@@ -160,10 +163,13 @@ class ExceptionRegistry {
     });
   }
 
-  std::string name_of(const std::type_info& t) const {
+  std::optional<std::string> registered_name(const std::type_info& t) const {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = names_.find(std::type_index(t));
-    return it != names_.end() ? it->second : demangle(t.name());
+    return it != names_.end() ? std::optional<std::string>(it->second) : std::nullopt;
+  }
+  std::string name_of(const std::type_info& t) const {
+    return registered_name(t).value_or(demangle(t.name()));
   }
 
   mutable std::mutex mu_;

@@ -44,6 +44,10 @@ template <class N, class LeafHooks, class F>
 void for_each_tensor_hook(N& node, LeafHooks&& leaf_hooks, F&& f) {
   if constexpr (engine_runs_captured_tensor_hooks<N>()) {
     for (const auto& h : node.tensor_pre_hooks()) f(*h);
+    // retain_grad() on a non-leaf: a hook of its own in 2.x (1.13 keeps it with the others).
+    if constexpr (requires { node.retains_grad_hooks(); }) {
+      for (const auto& kv : node.retains_grad_hooks()) f(*kv.second);
+    }
   } else if (const auto* hooks = leaf_hooks()) {
     for (const auto& h : *hooks) f(*h);
   } else {
