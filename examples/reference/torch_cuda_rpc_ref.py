@@ -9,23 +9,13 @@ Needs a PyTorch with CUDA and one GPU. Prints one JSON object (nulls and "skippe
                         samples of 10 copies)
 Usage: torch_cuda_rpc_ref.py [PORT]
 """
-import json, os, statistics, sys, tempfile, time
+import json, os, sys, tempfile
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
-
-def ident(t):
-    return t
-
-
-def median_us(fn, n, warm):
-    for _ in range(warm):
-        fn()
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter(); fn(); lat.append(time.perf_counter() - t0)
-    return statistics.median(lat) * 1e6
+# The same echo function and timing as the CPU reference beside this file.
+from torch_rpc_ref import ident, median_us
 
 
 def bench(rank, world, port, out):
