@@ -135,27 +135,21 @@ class FakeCudaScope {
   bool active_;
 };
 
-// A float tensor whose storage says it is on `d`; its bytes are host memory nobody reads.
+// A float tensor whose storage says it is on `d` (cpu or cuda:N); its bytes are host memory
+// nobody reads.
 at::Tensor tensor_on(c10::Device d) {
   static float bytes[4] = {};
   c10::Storage storage(c10::Storage::use_byte_size_t(), sizeof(bytes), c10::DataPtr(bytes, d),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
-                                                   c10::DispatchKeySet(c10::DispatchKey::CUDA),
+  const auto key = d.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
                                                    caffe2::TypeMeta::Make<float>());
   impl->set_sizes_contiguous({4});
   return at::Tensor(std::move(impl));
 }
 
 at::Tensor cpu_tensor() {
-  static float bytes[4] = {};
-  c10::Storage storage(c10::Storage::use_byte_size_t(), sizeof(bytes),
-                       c10::DataPtr(bytes, c10::Device(c10::kCPU)), nullptr, false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
-                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                   caffe2::TypeMeta::Make<float>());
-  impl->set_sizes_contiguous({4});
-  return at::Tensor(std::move(impl));
+  return tensor_on(c10::Device(c10::kCPU));
 }
 
 #define SKIP_UNLESS_FAKE(scope)                                                           \

@@ -443,6 +443,25 @@ class StateBase {
   std::shared_ptr<CompletionSync> sync_;  // null unless made with devices
 };
 
+// Completes `s` (whose sync is `sync`) with a value: `visit` hands the value's tensors to the
+// check, `store` stores the value under the lock. A value the check refuses fails the future. Two
+// completions racing here may both record: only the one that stores its value commits its marks.
+template <class Visit, class Store>
+bool complete_synced(const std::shared_ptr<StateBase>& s, CompletionSync& sync, Visit&& visit,
+                     Store&& store) {
+  if (s->done()) return false;
+  std::shared_ptr<const void> marks;
+  try {
+    marks = sync.record(visit);
+  } catch (...) {
+    return StateBase::complete_error(s, std::current_exception());
+  }
+  return StateBase::complete(s, Status::value, [&] {
+    store();
+    sync.commit(std::move(marks));
+  });
+}
+
 // The streams scope of a callback on `s`'s outcome (null: nothing to do).
 inline std::shared_ptr<void> enter_sync(const StateBase& s) {
   return s.sync() != nullptr ? s.sync()->enter() : nullptr;
@@ -719,15 +738,8 @@ class [[nodiscard]] Future : public FutureBase {
   }
   bool try_set_value() const requires std::is_void_v<T> {
     if (auto* sync = state_or_throw()->sync()) {
-      if (done()) return false;
-      std::shared_ptr<const void> marks;
-      try {
-        marks = sync->record([](detail::TensorSink&) {});
-      } catch (...) {
-        return detail::StateBase::complete_error(state_, std::current_exception());
-      }
-      return detail::StateBase::complete(state_, detail::Status::value,
-                                         [&] { sync->commit(std::move(marks)); });
+      return detail::complete_synced(
+          state_, *sync, [](detail::TensorSink&) {}, [] {});
     }
     return detail::StateBase::complete(state_or_throw(), detail::Status::value, [] {});
   }
@@ -746,22 +758,14 @@ class [[nodiscard]] Future : public FutureBase {
   requires(!std::is_void_v<T> && std::constructible_from<T, U&&>) bool try_set_value(U&& v) const {
     auto& st = typed();
     if (auto* sync = state_or_throw()->sync()) {
-      // The check reads the argument (the value is made from it under the lock); a value it
-      // refuses fails the future. Two completions racing here may both record: only the one
-      // that stores its value commits its marks (and the other's argument may be moved from).
-      if (done()) return false;
-      std::shared_ptr<const void> marks;
-      try {
-        marks = sync->record([&](detail::TensorSink& sink) {
-          detail::visit_tensors(static_cast<const std::remove_cvref_t<U>&>(v), sink);
-        });
-      } catch (...) {
-        return detail::StateBase::complete_error(state_, std::current_exception());
-      }
-      return detail::StateBase::complete(state_, detail::Status::value, [&] {
-        st.value.emplace(std::forward<U>(v));
-        sync->commit(std::move(marks));
-      });
+      // The check reads the argument (the value is made from it under the lock); in a race, the
+      // losing completion's argument may be moved from.
+      return detail::complete_synced(
+          state_, *sync,
+          [&](detail::TensorSink& sink) {
+            detail::visit_tensors(static_cast<const std::remove_cvref_t<U>&>(v), sink);
+          },
+          [&] { st.value.emplace(std::forward<U>(v)); });
     }
     return detail::StateBase::complete(state_, detail::Status::value,
                                        [&] { st.value.emplace(std::forward<U>(v)); });
