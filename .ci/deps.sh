@@ -53,7 +53,8 @@ distrpc_build() {
   local dir="$1"; shift
   distrpc_configure "$dir" "$@" || return 1
   # Two cores and ~1 GiB per libtorch translation unit: -j2 keeps memory and time predictable.
-  # DISTRPC_TARGETS (space-separated) builds only those targets.
+  # DISTRPC_TARGETS (space-separated) builds only those targets; DISTRPC_NINJA_ARGS adds ninja
+  # options (tests/run_gpu.sh: -k 0, every error of a build against another libtorch at once).
   # shellcheck disable=SC2086
-  ninja -C "$dir" -j "${DISTRPC_JOBS:-2}" ${DISTRPC_TARGETS:-}
+  ninja -C "$dir" -j "${DISTRPC_JOBS:-2}" ${DISTRPC_NINJA_ARGS:-} ${DISTRPC_TARGETS:-}
 }

@@ -21,6 +21,7 @@ passed=0
 failed=0
 logdir=$(mktemp -d)
 
+check_link_order build
 run_suites build ""
 
 # Without libtorch (-Dtorch=disabled): what a program that only rendezvous or launches builds on,

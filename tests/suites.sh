@@ -49,6 +49,8 @@ run_suite() {
 transports="${DISTRPC_TEST_TRANSPORTS:-tcp shm auto}"
 
 # run_suites DIR PREFIX: every test binary of a build directory (the RPC one per transport).
+# DISTRPC_PARALLEL_SUITES=1 runs them all at once (a machine with many cores) and prints their
+# reports in order once the last one ends.
 run_suites() {
   local dir="$1" prefix="$2" t name tr
   for t in "$dir"/tests/test_*; do
@@ -62,9 +64,9 @@ run_suites() {
       local first=1
       for tr in $transports; do  # none listed: not run (see the sanitizer build)
         if [ $first = 1 ] || [ "${DISTRPC_RPC_WHOLE:-0}" = "1" ]; then
-          DISTRPC_TEST_TRANSPORT=$tr run_suite "$name[$tr]" "$t"
+          DISTRPC_TEST_TRANSPORT=$tr launch_suite "$name[$tr]" "$t"
         else
-          DISTRPC_TEST_TRANSPORT=$tr run_suite "$name[$tr]" "$t" \
+          DISTRPC_TEST_TRANSPORT=$tr launch_suite "$name[$tr]" "$t" \
             -tc='rpc: *,member loss: *,elastic: *,*killed*'
         fi
         first=0
@@ -73,13 +75,71 @@ run_suites() {
       # Whole on TCP; the end-to-end cases named "every transport" on the others too.
       for tr in $transports; do
         if [ "$tr" = tcp ]; then
-          DISTRPC_TEST_TRANSPORT=$tr run_suite "$name[$tr]" "$t"
+          DISTRPC_TEST_TRANSPORT=$tr launch_suite "$name[$tr]" "$t"
         else
-          DISTRPC_TEST_TRANSPORT=$tr run_suite "$name[$tr]" "$t" -tc='*every transport*'
+          DISTRPC_TEST_TRANSPORT=$tr launch_suite "$name[$tr]" "$t" -tc='*every transport*'
         fi
       done
     else
-      run_suite "$name" "$t"
+      launch_suite "$name" "$t"
     fi
   done
+  finish_suites
+}
+
+parallel_outs=()
+
+# launch_suite NAME CMD...: run_suite now, or (DISTRPC_PARALLEL_SUITES=1) in the background, its
+# report and counts kept for finish_suites.
+launch_suite() {
+  if [ "${DISTRPC_PARALLEL_SUITES:-0}" != "1" ]; then
+    run_suite "$@"
+    return
+  fi
+  local out="$logdir/parallel.${#parallel_outs[@]}"
+  parallel_outs+=("$out")
+  (
+    passed=0
+    failed=0
+    run_suite "$@"
+    echo "tally $passed $failed"
+  ) >"$out" 2>&1 &
+}
+
+# finish_suites: waits for the suites launch_suite started, prints their reports in the order
+# they were started and adds their counts (a suite that left no count is one failure).
+finish_suites() {
+  [ ${#parallel_outs[@]} -eq 0 ] && return 0
+  wait
+  local out p f
+  for out in "${parallel_outs[@]}"; do
+    grep -v '^tally ' "$out"
+    read -r _ p f < <(grep '^tally ' "$out" | tail -1)
+    passed=$((passed + ${p:-0}))
+    failed=$((failed + ${f:-1}))
+  done
+  parallel_outs=()
+}
+
+# check_link_order DIR: every test program of DIR lists libstdc++ before libtorch among the
+# libraries it needs, so that std:: calls never bind to the libstdc++ copies that PyTorch's pip
+# wheels export (meson.build says why). One pass or one failure.
+check_link_order() {
+  local t needed bad=""
+  header "link order (libstdc++ before libtorch)"
+  for t in "$1"/tests/test_*; do
+    [ -x "$t" ] && [ -f "$t" ] || continue
+    needed=$(readelf -d "$t" | sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p')
+    echo "$needed" | grep -q '^libtorch' || continue
+    if [ "$(echo "$needed" | grep -E '^(libstdc\+\+|libtorch)' | head -1 | cut -c1-9)" != "libstdc++" ]; then
+      bad="$bad $(basename "$t")"
+    fi
+  done
+  if [ -n "$bad" ]; then
+    echo "   libtorch comes before libstdc++ in:$bad"
+    failed=$((failed + 1))
+  else
+    echo "   ok"
+    passed=$((passed + 1))
+  fi
 }

@@ -3,19 +3,24 @@
 // records what the future asks of streams and events (which event was recorded or waited for
 // on which device and stream), and tensors that claim to live on cuda:N (never computed on)
 // carry the devices. On a CUDA libtorch these cases skip: the real implementation is there, and
-// the GPU tests cover it.
+// the cases at the end (which skip without a GPU) run real work on real streams instead.
 // libtorch's headers first: glog's CHECK, which they bring, must not replace doctest's.
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <distrpc/device_future.hpp>
+#include <distrpc/torch_compat.hpp>
 
 #include <doctest/doctest.h>
 
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -154,7 +159,7 @@ at::Tensor cpu_tensor() {
 
 #define SKIP_UNLESS_FAKE(scope)                                                           \
   if (!(scope).active()) {                                                                \
-    MESSAGE("skipped: this libtorch has CUDA; the GPU tests cover futures with devices"); \
+    MESSAGE("skipped: this libtorch has CUDA; the GPU cases cover futures with devices"); \
     return;                                                                               \
   }
 
@@ -408,6 +413,95 @@ TEST_CASE("device future: a refused value fails then() children with the same er
   auto bad = g.then([](Future<at::Tensor>&) { return tensor_on(gpu(1)); });
   g.set_value(tensor_on(gpu(0)));
   CHECK(bad.has_error());
+}
+
+// ---- on a GPU (skipped without one) -----------------------------------------------------------
+
+#define SKIP_UNLESS_GPU()                                                              \
+  if (distrpc::compat::cuda_device_count() < 1) {                                      \
+    MESSAGE("skipped: no GPU on this machine (the stand-in cases above run instead)"); \
+    return;                                                                            \
+  }
+
+// The current stream of `d` on this thread, and a stream of its pool.
+c10::Stream current_stream(c10::Device d) {
+  return c10::impl::VirtualGuardImpl(d.type()).getStream(d);
+}
+c10::Stream pool_stream(c10::Device d) {
+  return c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d);
+}
+
+// About 50 ms of work queued on the current stream of `d`, whose result is all 3s: ones multiplied
+// by ones (4096 each), scaled back to ones, ten times over. Exact in float; a reader that does
+// not wait for it sees memory the allocator just handed out.
+at::Tensor slow_threes(c10::Device d) {
+  constexpr std::int64_t n = 4096;
+  const at::Tensor a = at::ones({n, n}, at::TensorOptions().device(d));
+  at::Tensor y = a;
+  for (int i = 0; i < 10; ++i) y = at::matmul(a, y).div_(static_cast<double>(n));
+  return y.mul_(3);
+}
+
+constexpr double kThreesSum = 3.0 * 4096 * 4096;
+
+TEST_CASE("device future on a GPU: a waiter on another stream and thread sees the whole result") {
+  SKIP_UNLESS_GPU();
+  auto f = make_future<at::Tensor>({gpu(0)});
+  // The producer queues the work on a stream of its own, on its own thread, and completes the
+  // future at once: the GPU is still working when the consumer asks.
+  const c10::Stream producer_stream = pool_stream(gpu(0));
+  std::thread producer([&] {
+    c10::StreamGuard on(producer_stream);
+    f.set_value(slow_threes(gpu(0)));
+  });
+  producer.join();
+  const c10::Stream mine = current_stream(gpu(0));
+  REQUIRE(mine != producer_stream);
+  // value() makes this thread's stream wait for the producer's; the sum is queued behind it.
+  const at::Tensor v = f.value();
+  CHECK(v.device() == gpu(0));
+  CHECK(v.sum().item<double>() == kThreesSum);
+  CHECK(current_stream(gpu(0)) == mine);  // nothing changed which stream is current
+}
+
+TEST_CASE("device future on a GPU: then() callbacks run on a pool stream behind the work") {
+  SKIP_UNLESS_GPU();
+  auto f = make_future<at::Tensor>({gpu(0)});
+  const c10::Stream producer_stream = pool_stream(gpu(0));
+  std::optional<c10::Stream> callback_stream;
+  auto plus_one = f.then([&](Future<at::Tensor>& p) {
+    callback_stream = current_stream(gpu(0));
+    return p.value() + 1;  // queued on the callback's stream, behind the producer's work
+  });
+  auto second = plus_one.then([](Future<at::Tensor>& p) { return p.value() * 2; });
+  {
+    c10::StreamGuard on(producer_stream);
+    f.set_value(slow_threes(gpu(0)));
+  }
+  REQUIRE(callback_stream.has_value());
+  CHECK(*callback_stream != producer_stream);
+  CHECK(*callback_stream != c10::impl::VirtualGuardImpl(c10::kCUDA).getDefaultStream(gpu(0)));
+  CHECK(future_devices(plus_one) == std::vector<c10::Device>{gpu(0)});
+  CHECK(plus_one.value().sum().item<double>() == 4.0 * 4096 * 4096);
+  CHECK(second.value().sum().item<double>() == 8.0 * 4096 * 4096);
+}
+
+TEST_CASE("device future on a GPU: a value on a device not declared fails the future") {
+  SKIP_UNLESS_GPU();
+  // Declared: nothing but cuda:0; a tensor on cuda:0 passes, a CPU tensor too (always allowed).
+  auto f = make_future<std::vector<at::Tensor>>({gpu(0)});
+  f.set_value(
+      std::vector<at::Tensor>{at::ones({2}, at::TensorOptions().device(gpu(0))), at::ones({2})});
+  CHECK(f.value().size() == 2);
+  if (distrpc::compat::cuda_device_count() < 2) {
+    MESSAGE("the cuda:1 half skipped: this machine has one GPU");
+    return;
+  }
+  auto g = make_future<at::Tensor>({gpu(0)});
+  g.set_value(at::ones({2}, at::TensorOptions().device(gpu(1))));
+  CHECK(distrpc::testing::error_text<std::invalid_argument>([&] { (void)g.value(); }) ==
+        "The result contained tensors residing on device(s) cuda:1 which are not among the "
+        "expected device(s) cuda:0");
 }
 
 }  // namespace device_future_test

@@ -2,8 +2,10 @@
 # Fills subprojects/asio, subprojects/cereal and subprojects/doctest with this machine's headers
 # (Debian: libasio-dev, libcereal-dev, doctest-dev), in the layout of the Meson wraps there, so that
 # a machine without them and without network (the GPU machine of tests/run_gpu.sh) can build:
-# Meson uses a subproject's folder when it exists instead of fetching it. The folders are ignored by
-# git; carry them to the other machine with the tree (7.6 MB).
+# Meson uses a subproject's folder when it exists instead of fetching it. It also copies OpenSSL's
+# headers (libssl-dev) to subprojects/openssl/include, which tests/run_gpu.sh uses only where the
+# other machine has OpenSSL's libraries but not its headers. The folders are ignored by git; carry
+# them to the other machine with the tree (about 9 MB).
 set -euo pipefail
 inc=$(realpath "${1:-/usr/include}")
 cd "$(dirname "$0")/../.."
@@ -20,4 +22,15 @@ cp "$inc/doctest/doctest.h" subprojects/doctest/doctest/
 for p in asio cereal doctest; do
   cp "subprojects/packagefiles/$p/meson.build" "subprojects/$p/meson.build"
 done
-du -sh subprojects/asio subprojects/cereal subprojects/doctest | sed 's/^/prepare_offline: /'
+
+# OpenSSL: the headers, with the architecture's configuration headers beside them (Debian keeps
+# those under /usr/include/<triplet>/openssl).
+rm -rf subprojects/openssl
+mkdir -p subprojects/openssl/include
+[ -e "$inc/openssl/ssl.h" ] || { echo "prepare_offline: $inc/openssl/ssl.h is missing (apt-get install libssl-dev)"; exit 1; }
+cp -r "$inc/openssl" subprojects/openssl/include/
+triplet=$(gcc -print-multiarch 2>/dev/null || true)
+if [ -n "$triplet" ] && [ -d "$inc/$triplet/openssl" ]; then
+  cp -r "$inc/$triplet/openssl/." subprojects/openssl/include/openssl/
+fi
+du -sh subprojects/asio subprojects/cereal subprojects/doctest subprojects/openssl | sed 's/^/prepare_offline: /'

@@ -118,11 +118,18 @@ inline void put_le(Buffer& b, T v) {
   const auto u = static_cast<U>(v);
   for (std::size_t i = 0; i < sizeof(T); ++i) b.push_back(static_cast<std::uint8_t>(u >> (8 * i)));
 }
+// Raw bytes at the end. resize + memcpy rather than insert(end, first, last): GCC 13 warns,
+// wrongly, that the latter writes past the buffer (-Wstringop-overflow) once inlined here.
+inline void put_bytes(Buffer& b, const void* p, std::size_t n) {
+  if (n == 0) return;
+  const std::size_t at = b.size();
+  b.resize(at + n);
+  std::memcpy(b.data() + at, p, n);
+}
 // A string or byte vector: u64 length, bytes.
 inline void put_str(Buffer& b, const void* p, std::size_t n) {
   put_le<std::uint64_t>(b, n);
-  const auto* c = static_cast<const std::uint8_t*>(p);
-  b.insert(b.end(), c, c + n);
+  put_bytes(b, p, n);
 }
 inline void put_str(Buffer& b, std::string_view s) {
   put_str(b, s.data(), s.size());
@@ -133,8 +140,8 @@ inline void put_str(Buffer& b, const Bytes& s) {
 // A user key as c10d's TCPStore writes it: prefixed.
 inline void put_key(Buffer& b, std::string_view key) {
   put_le<std::uint64_t>(b, kKeyPrefix.size() + key.size());
-  b.insert(b.end(), kKeyPrefix.begin(), kKeyPrefix.end());
-  b.insert(b.end(), key.begin(), key.end());
+  put_bytes(b, kKeyPrefix.data(), kKeyPrefix.size());
+  put_bytes(b, key.data(), key.size());
 }
 
 // Thrown by Reader when the bytes buffered so far end inside the request: wait for more.
