@@ -4,12 +4,15 @@
 // agent treats every non-CPU device alike) without exhausting the request pool. Device maps are
 // the agent's, not the transport's: these run on tcp only.
 #include <chrono>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <doctest/doctest.h>
 
 #include <distrpc/rpc.hpp>
@@ -45,6 +48,19 @@ at::Tensor devmap_cuda_result(int n) {
 // The devices of both tensors, and their sum on the second one's device.
 std::tuple<std::string, std::string, at::Tensor> devmap_pair(at::Tensor a, at::Tensor b) {
   return {a.device().str(), b.device().str(), a.to(b.device()) + b};
+}
+// `t` (square) multiplied by the identity ten times over, then plus `k`: exact, and several
+// milliseconds of work queued on the current stream, which a reader that does not wait for it
+// would overtake.
+at::Tensor devmap_slow_plus(at::Tensor t, int k) {
+  const at::Tensor eye = at::eye(t.size(0), t.options());
+  at::Tensor y = t;
+  for (int i = 0; i < 10; ++i) y = at::matmul(y, eye);
+  return y + k;
+}
+// The same through the caller: worker1 asks worker0 for devmap_slow_plus(t, k), then adds one.
+at::Tensor devmap_nested_plus(at::Tensor t, int k) {
+  return distrpc::rpc_sync<&devmap_slow_plus>("worker0", t, k) + 1;
 }
 
 }  // namespace devmap_test
@@ -276,6 +292,39 @@ DISTRPC_MP_TARGET("devices target: the map {0: 1, 1: 0} swaps GPUs (2 GPUs)") {
   distrpc::shutdown();
 }
 
+DISTRPC_MP_TARGET(
+    "devices target: a caller's side stream, 20 calls in flight and a nested call see finished "
+    "results (1 GPU)") {
+  // Both workers map cuda:0 to the other's cuda:0 (nested calls come back to worker0).
+  RpcBackendOptions o;
+  o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
+  init_at(ctx, "gpu-streams", o);
+  if (ctx.rank == 0) {
+    const c10::Device gpu(c10::kCUDA, 0);
+    // Everything below is queued on a stream of the pool, not the default one: the tensor sent
+    // is still being made when the calls go out, and the results are read on that stream.
+    const c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
+    const c10::StreamGuard on(cuda.getStreamFromGlobalPool(gpu));
+    constexpr std::int64_t n = 2048;
+    const at::Tensor x = devmap_test::devmap_slow_plus(
+        at::remainder(at::arange(n * n, at::kFloat), 7).view({n, n}).to(gpu), 0);
+    std::vector<distrpc::Future<at::Tensor>> calls;
+    for (int k = 0; k < 20; ++k) {
+      calls.push_back(distrpc::rpc_async<&devmap_test::devmap_slow_plus>("worker1", x, k));
+    }
+    for (int k = 0; k < 20; ++k) {
+      const at::Tensor r = calls[static_cast<std::size_t>(k)].value();
+      CHECK(r.device() == gpu);
+      CHECK(at::equal(r, x + k));
+    }
+    const at::Tensor nested = distrpc::rpc_sync<&devmap_test::devmap_nested_plus>("worker1", x, 5);
+    CHECK(nested.device() == gpu);
+    CHECK(at::equal(nested, x + 6));
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
 namespace {
 void run_on_gpus(const char* target, int gpus) {
   const int have = distrpc::compat::cuda_device_count();
@@ -294,6 +343,16 @@ void run_on_gpus(const char* target, int gpus) {
 TEST_CASE("devices: CUDA tensors follow the map, responses its inverse (needs a GPU)") {
   if (!on_tcp()) return;
   run_on_gpus("devices target: CUDA tensors follow the map, responses its inverse (1 GPU)", 1);
+}
+
+TEST_CASE(
+    "devices: a caller's side stream, 20 calls in flight and a nested call see finished results "
+    "(needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus(
+      "devices target: a caller's side stream, 20 calls in flight and a nested call see finished "
+      "results (1 GPU)",
+      1);
 }
 
 TEST_CASE("devices: the map {0: 1, 1: 0} swaps GPUs (needs 2 GPUs)") {
