@@ -21,7 +21,8 @@ passed=0
 failed=0
 logdir=$(mktemp -d)
 
-check_link_order build
+# shellcheck disable=SC2086  # $targets: one program per word (empty: every program)
+check_link_order build $targets
 run_suites build ""
 
 # Without libtorch (-Dtorch=disabled): what a program that only rendezvous or launches builds on,

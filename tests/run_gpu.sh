@@ -10,8 +10,9 @@
 #                      the whole build still shows that everything compiles against this libtorch)
 #   DISTRPC_GPU_BENCH  0: skip the GPU benchmarks at the end (bench_rpc --cuda beside
 #                      examples/reference/torch_cuda_rpc_ref.py, one JSON line each)
-#   DISTRPC_PARALLEL_SUITES  1 (the default on 8 cores or more): every suite at once, their
-#                      reports printed in order at the end
+#   DISTRPC_PARALLEL_SUITES  1 (the default on 8 cores or more): the suites side by side, their
+#                      reports printed in order at the end (test_wire, whose transport cases
+#                      time themselves and look at machine-wide state, after the others, alone)
 #   PYTHON             the Python whose torch is used (python3)
 # Last line: "N passed, M failed"; exit non-zero on any failure.
 set -uo pipefail
@@ -70,7 +71,9 @@ distrpc_configure "$build" -Dtorch_dir="$torch_dir" --wrap-mode=nodownload || fa
 meson configure "$build" -Dtorch_dir="$torch_dir" -Dwerror=false >/dev/null || fail_build "configure"
 targets="$(distrpc_test_targets "$build") examples/bench_rpc"
 build_log="$build/build.log"
-# -k 0: every error at once; the suites that did build still run.
+# -k 0: every error at once; the suites that did build still run. Programs left from an earlier
+# build go first, so that one whose sources no longer compile cannot run in its place.
+rm -f "$build"/tests/test_* "$build/examples/bench_rpc" 2>/dev/null
 DISTRPC_JOBS=${DISTRPC_JOBS:-$(nproc)} DISTRPC_NINJA_ARGS="-k 0" DISTRPC_TARGETS="$targets" \
   distrpc_build "$build" 2>&1 | tee "$build_log"
 build_rc=$?
@@ -85,7 +88,8 @@ if [ "$warnings" -gt 0 ]; then
   failed=$((failed + 1))
 fi
 
-check_link_order "$build"
+# shellcheck disable=SC2086  # $targets: one program per word
+check_link_order "$build" $targets
 
 logdir=$(mktemp -d)
 export DISTRPC_PARALLEL_SUITES=${DISTRPC_PARALLEL_SUITES:-$([ "$(nproc)" -ge 8 ] && echo 1 || echo 0)}
