@@ -9,7 +9,8 @@
 #   DISTRPC_GPU_QUICK  1: run only the cases about devices, CUDA and GPUs (a short GPU session:
 #                      the whole build still shows that everything compiles against this libtorch)
 #   DISTRPC_GPU_BENCH  0: skip the GPU benchmarks at the end (bench_rpc --cuda beside
-#                      examples/reference/torch_cuda_rpc_ref.py, one JSON line each)
+#                      examples/reference/torch_cuda_rpc_ref.py, bench_nccl beside
+#                      examples/reference/torch_nccl_ref.py, one JSON line each)
 #   DISTRPC_PARALLEL_SUITES  1 (the default on 8 cores or more): the suites side by side, their
 #                      reports printed in order at the end (test_wire, whose transport cases
 #                      time themselves and look at machine-wide state, after the others, alone)
@@ -70,6 +71,8 @@ distrpc_configure "$build" -Dtorch_dir="$torch_dir" --wrap-mode=nodownload || fa
 # something): they are listed after it and count as one failure.
 meson configure "$build" -Dtorch_dir="$torch_dir" -Dwerror=false >/dev/null || fail_build "configure"
 targets="$(distrpc_test_targets "$build") examples/bench_rpc"
+# The nccl backend's benchmark, where Meson found NCCL.
+ninja -C "$build" -t query examples/bench_nccl >/dev/null 2>&1 && targets="$targets examples/bench_nccl"
 build_log="$build/build.log"
 # -k 0: every error at once; the suites that did build still run. Programs left from an earlier
 # build go first, so that one whose sources no longer compile cannot run in its place.
@@ -109,12 +112,16 @@ rm -rf "$logdir"
 
 # The GPU benchmarks, side by side with PyTorch's own stack in the same run (docs/benchmarks.md).
 if [ "${DISTRPC_GPU_BENCH:-1}" = "1" ]; then
-  header "GPU benchmarks (bench_rpc --cuda, then PyTorch's RPC with a device map)"
+  header "GPU benchmarks (bench_rpc --cuda, PyTorch's RPC with a device map; bench_nccl, PyTorch's NCCL)"
   # A benchmark that fails (not one that skips for want of a GPU) counts as a failure.
   for tr in shm tcp; do
     timeout 300 "$build/examples/bench_rpc" --cuda --transport "$tr" || failed=$((failed + 1))
   done
   timeout 300 "$python" examples/reference/torch_cuda_rpc_ref.py || failed=$((failed + 1))
+  if [ -x "$build/examples/bench_nccl" ]; then
+    timeout 300 "$build/examples/bench_nccl" || failed=$((failed + 1))
+    timeout 300 "$python" examples/reference/torch_nccl_ref.py || failed=$((failed + 1))
+  fi
 fi
 header "end"
 echo "$passed passed, $failed failed"

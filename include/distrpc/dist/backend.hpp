@@ -235,18 +235,24 @@ class Backend {
       throw std::invalid_argument(which + " is not a dense (strided) tensor");
     }
   }
+  // What this backend requires of each tensor it is given: check_cpu_tensor here; a device
+  // backend checks its own device instead. The two checks below call it.
+  virtual void check_tensor(const char* op, const at::Tensor& t, std::size_t index,
+                            const char* what) const {
+    check_cpu_tensor(op, t, index, what);
+  }
   // "<op>: expects exactly one <what> tensor, got N" (one tensor per call, see the top), then
-  // check_cpu_tensor on it.
+  // check_tensor on it.
   const at::Tensor& check_single_tensor(const char* op, const std::vector<at::Tensor>& tensors,
                                         const char* what = "input") const {
     if (tensors.size() != 1) {
       throw std::invalid_argument(std::string(op) + ": expects exactly one " + what +
                                   " tensor, got " + std::to_string(tensors.size()));
     }
-    check_cpu_tensor(op, tensors[0], 0, what);
+    check_tensor(op, tensors[0], 0, what);
     return tensors[0];
   }
-  // A list with one tensor per member: its size, then check_cpu_tensor and the dtype of each.
+  // A list with one tensor per member: its size, then check_tensor and the dtype of each.
   void check_tensor_list(const char* op, const std::vector<at::Tensor>& list,
                          const at::Tensor& like, const char* what) const {
     if (list.size() != static_cast<std::size_t>(size())) {
@@ -255,7 +261,7 @@ class Backend {
                                   std::to_string(list.size()));
     }
     for (std::size_t i = 0; i < list.size(); ++i) {
-      check_cpu_tensor(op, list[i], i, what);
+      check_tensor(op, list[i], i, what);
       check_same_dtype(like, list[i]);
     }
   }

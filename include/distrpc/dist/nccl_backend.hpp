@@ -1,0 +1,909 @@
+// NcclBackend: the "nccl" process-group backend, for CUDA tensors, on NVIDIA's NCCL directly.
+// Registered as "nccl" for the "cuda" device by register_nccl_backend().
+//
+// Built where Meson finds NCCL and the CUDA runtime (DISTRPC_HAVE_NCCL); it runs on a libtorch
+// with CUDA (2.x: the stream handles come from c10's device-generic interface) and a GPU.
+//
+// One communicator per backend, on one device: BackendOptions' device, else the current CUDA
+// device when the backend is made (call c10::cuda::set_device / use a DeviceGuard first, as with
+// PyTorch's torch.cuda.set_device). Members meet through the store: rank 0 puts NCCL's unique id
+// there, every member counts itself in, and the communicator is made once all have arrived, so a
+// member that never comes fails the others after the timeout instead of hanging them.
+//
+// Streams:
+//  - every operation runs on the backend's own stream, which first waits for the work already
+//    queued on the caller's current stream (so a tensor made just before the call is complete);
+//  - the tensors' memory is marked in use on that stream (the caching allocator does not hand it
+//    out again before the operation is done);
+//  - the Work completes once the GPU has finished the operation (a host function queued behind
+//    it wakes the backend's thread), so its outputs are complete for every stream and thread that
+//    sees it complete. wait() therefore blocks the calling thread until then: PyTorch's
+//    Work.wait() only makes the current stream wait, which ends at the same point, and here a
+//    failure or timeout reaches the waiter as an exception.
+//  - Point-to-point calls share the collectives' communicator and stream: a member's sends,
+//    receives and collectives run in the order it issued them, so members must issue them in the
+//    same relative order (PyTorch keeps a communicator per pair of peers for them).
+//
+// Failures:
+//  - Timeout: an operation not done within its timeout (the call's, else the backend's) aborts
+//    the communicator (ncclCommAbort, which also ends the operations still queued) and fails every
+//    pending Work with PyTorch's watchdog text, "Watchdog caught collective operation timeout:
+//    WorkNCCL(SeqNum=N, OpType=ALLREDUCE, Timeout(ms)=T) ran for M milliseconds before timing
+//    out." Every later call throws DistBackendError saying the communicator was aborted.
+//  - NCCL's asynchronous errors (a peer gone, a network failure) are polled while work is pending
+//    and handled alike, with NCCL's own error text.
+//  - Bad arguments (a CPU tensor, a tensor on another device, a dtype or reduction NCCL lacks)
+//    throw std::invalid_argument on the caller's thread before anything is queued.
+//
+// What NCCL lacks, as PyTorch's backend handles it: BAND/BOR/BXOR are refused ("Cannot use
+// ReduceOp.BAND with NCCL"); bool tensors reduce as uint8 with SUM as MAX and PRODUCT as MIN
+// (logical or / and) and refuse AVG; PREMUL_SUM with a scalar factor is NCCL's own
+// (ncclRedOpCreatePreMulSum). gather, scatter and the all-to-alls are grouped sends and receives;
+// list all-gathers and reduce-scatters go through one flat buffer. recv from any source is not
+// supported (NCCL names its peer). Tags are ignored (NCCL has none), as in PyTorch.
+//
+// Threads: callers queue operations under one lock (NCCL's calls on a communicator must not run
+// concurrently); no lock is held while a Work completes. One thread per backend completes Works
+// (so a future's callbacks run there) and keeps the watchdog; shutdown() joins it.
+#pragma once
+
+#ifdef DISTRPC_HAVE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <distrpc/dist/backend.hpp>
+#include <distrpc/dist/backend_config.hpp>
+#include <distrpc/dist/reduce_op.hpp>
+#include <distrpc/dist/work.hpp>
+#include <distrpc/error.hpp>
+#include <distrpc/store/store.hpp>
+#include <distrpc/torch_compat.hpp>
+
+namespace distrpc::dist {
+
+struct NcclBackendOptions {
+  // The GPU this member uses; unset: the current CUDA device when the backend is made.
+  std::optional<int> device;
+};
+
+namespace detail {
+
+// NCCL's element type for a dtype; bool travels as uint8. Throws for the dtypes NCCL lacks.
+inline ncclDataType_t nccl_type(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kChar:
+      return ncclInt8;
+    case at::kByte:
+    case at::kBool:
+      return ncclUint8;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    default:
+      throw std::invalid_argument(std::string(op) + ": dtype " + c10::toString(t) +
+                                  " is not supported by NCCL");
+  }
+}
+
+// "ALLREDUCE" for "allreduce": the OpType PyTorch's watchdog text names.
+inline std::string op_type(const std::string& op) {
+  std::string out = op;
+  for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace detail
+
+class NcclBackend : public Backend {
+ public:
+  NcclBackend(std::shared_ptr<store::Store> store, int rank, int size,
+              std::chrono::milliseconds timeout, NcclBackendOptions options = {})
+      : Backend(rank, size, timeout) {
+    if (!store) throw std::invalid_argument("NcclBackend: the store is null");
+    const int count = compat::cuda_device_count();
+    if (count < 1) {
+      throw DistBackendError(
+          "NcclBackend: no CUDA device is visible to this process (a CPU-only libtorch, no GPU, "
+          "or CUDA_VISIBLE_DEVICES empty)");
+    }
+    const int index =
+        options.device ? *options.device : static_cast<int>(cuda().getDevice().index());
+    if (index < 0 || index >= count) {
+      throw std::invalid_argument("NcclBackend: device " + std::to_string(index) +
+                                  " does not exist here (" + std::to_string(count) +
+                                  " CUDA device(s))");
+    }
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    const c10::DeviceGuard on_device(device_);
+    stream_ = cuda().getStreamFromGlobalPool(device_);
+    (void)native(stream_);  // a libtorch that cannot name it fails here, before the group meets
+    comm_ = join(*store, rank, size, timeout);
+    state_ = std::make_shared<State>();
+    completer_ = std::thread([this] { complete_loop(); });
+  }
+
+  ~NcclBackend() override { shutdown(); }
+
+  std::string name() const override { return "nccl"; }
+  const c10::Device& device() const noexcept { return device_; }
+
+  std::shared_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
+                                  const BroadcastOptions& opts = {}) override {
+    static constexpr const char* op = "broadcast";
+    const at::Tensor& t = check_single_tensor(op, tensors);
+    check_root(op, opts.root_rank);
+    check_root_tensor(op, opts.root_tensor);
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, t.scalar_type());
+    return run(op, opts.timeout, {t}, {t}, [&](cudaStream_t s) {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), count(t), type, opts.root_rank, comm_, s);
+    });
+  }
+
+  std::shared_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
+                                  const AllreduceOptions& opts = {}) override {
+    static constexpr const char* op = "allreduce";
+    const at::Tensor& t = check_single_tensor(op, tensors);
+    check_reduction(op, opts.op, t.scalar_type());
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, t.scalar_type());
+    return run(op, opts.timeout, {t}, {t}, [&](cudaStream_t s) {
+      return with_op(op, opts.op, t.scalar_type(), type, [&](ncclRedOp_t r) {
+        return ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), type, r, comm_, s);
+      });
+    });
+  }
+
+  std::shared_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                            const AllreduceCoalescedOptions& opts = {}) override {
+    static constexpr const char* op = "allreduce_coalesced";
+    if (tensors.empty()) throw std::invalid_argument("allreduce_coalesced: no tensors given");
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      check_tensor(op, tensors[i], i, "input");
+      check_same_dtype(tensors[0], tensors[i]);
+    }
+    check_reduction(op, opts.op, tensors[0].scalar_type());
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, tensors[0].scalar_type());
+    return run(op, opts.timeout, tensors, tensors, [&](cudaStream_t s) {
+      return with_op(op, opts.op, tensors[0].scalar_type(), type, [&](ncclRedOp_t r) {
+        return grouped([&] {
+          for (const at::Tensor& t : tensors) {
+            const ncclResult_t res =
+                ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), type, r, comm_, s);
+            if (res != ncclSuccess) return res;
+          }
+          return ncclSuccess;
+        });
+      });
+    });
+  }
+
+  std::shared_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
+                               const ReduceOptions& opts = {}) override {
+    static constexpr const char* op = "reduce";
+    const at::Tensor& t = check_single_tensor(op, tensors);
+    check_reduction(op, opts.op, t.scalar_type());
+    check_root(op, opts.root_rank);
+    check_root_tensor(op, opts.root_tensor);
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, t.scalar_type());
+    return run(op, opts.timeout, {t}, {t}, [&](cudaStream_t s) {
+      return with_op(op, opts.op, t.scalar_type(), type, [&](ncclRedOp_t r) {
+        return ncclReduce(t.data_ptr(), t.data_ptr(), count(t), type, r, opts.root_rank, comm_, s);
+      });
+    });
+  }
+
+  std::shared_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const AllgatherOptions& opts = {}) override {
+    static constexpr const char* op = "allgather";
+    const at::Tensor& in = check_single_tensor(op, inputs);
+    check_one_list(op, outputs.size(), "output");
+    check_tensor_list(op, outputs[0], in, "output");
+    for (const at::Tensor& o : outputs[0]) check_same_numel(op, o, in);
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, in.scalar_type());
+    // Gathered into one buffer by NCCL, then copied into the caller's tensors on our stream.
+    at::Tensor flat = at::empty({size(), in.numel()}, in.options());
+    std::vector<at::Tensor> touched = outputs[0];
+    touched.push_back(in);
+    touched.push_back(flat);
+    return run(op, opts.timeout, touched, outputs[0], [&](cudaStream_t s) {
+      const ncclResult_t r =
+          ncclAllGather(in.data_ptr(), flat.data_ptr(), count(in), type, comm_, s);
+      if (r == ncclSuccess) {
+        for (int i = 0; i < size(); ++i) outputs[0][i].copy_(flat[i].view_as(outputs[0][i]));
+      }
+      return r;
+    });
+  }
+
+  std::shared_ptr<Work> allgather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                              const AllgatherOptions& opts = {}) override {
+    static constexpr const char* op = "allgather_into_tensor";
+    check_tensor(op, input, 0, "input");
+    check_tensor(op, output, 0, "output");
+    check_same_dtype(input, output);
+    if (output.numel() != input.numel() * size()) {
+      throw std::invalid_argument(
+          std::string(op) + ": the output has " + std::to_string(output.numel()) +
+          " elements, expected the input's " + std::to_string(input.numel()) +
+          " times the group size " + std::to_string(size()));
+    }
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
+    return run(op, opts.timeout, {input, output}, {output}, [&](cudaStream_t s) {
+      return ncclAllGather(input.data_ptr(), output.data_ptr(), count(input), type, comm_, s);
+    });
+  }
+
+  std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                               std::vector<at::Tensor>& inputs,
+                               const GatherOptions& opts = {}) override {
+    static constexpr const char* op = "gather";
+    const at::Tensor& in = check_single_tensor(op, inputs);
+    check_root(op, opts.root_rank);
+    check_root_lists(op, outputs, opts.root_rank, "output");
+    const bool root = rank() == opts.root_rank;
+    if (root) {
+      check_tensor_list(op, outputs[0], in, "output");
+      for (const at::Tensor& o : outputs[0]) check_same_numel(op, o, in);
+    }
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, in.scalar_type());
+    std::vector<at::Tensor> results = root ? outputs[0] : std::vector<at::Tensor>{};
+    std::vector<at::Tensor> touched = results;
+    touched.push_back(in);
+    return run(op, opts.timeout, touched, results, [&](cudaStream_t s) {
+      if (root) results[rank()].copy_(in.view_as(results[rank()]));  // before the group opens
+      return grouped([&] {
+        if (!root) return ncclSend(in.data_ptr(), count(in), type, opts.root_rank, comm_, s);
+        for (int r = 0; r < size(); ++r) {
+          if (r == rank()) continue;
+          const ncclResult_t res = ncclRecv(results[r].data_ptr(), count(in), type, r, comm_, s);
+          if (res != ncclSuccess) return res;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  std::shared_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
+                                std::vector<std::vector<at::Tensor>>& inputs,
+                                const ScatterOptions& opts = {}) override {
+    static constexpr const char* op = "scatter";
+    const at::Tensor& out = check_single_tensor(op, outputs, "output");
+    check_root(op, opts.root_rank);
+    check_root_lists(op, inputs, opts.root_rank, "input");
+    const bool root = rank() == opts.root_rank;
+    if (root) {
+      check_tensor_list(op, inputs[0], out, "input");
+      for (const at::Tensor& i : inputs[0]) check_same_numel(op, i, out);
+    }
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, out.scalar_type());
+    std::vector<at::Tensor> touched = root ? inputs[0] : std::vector<at::Tensor>{};
+    touched.push_back(out);
+    return run(op, opts.timeout, touched, {out}, [&](cudaStream_t s) {
+      if (root) out.copy_(inputs[0][rank()].view_as(out));  // before the group opens
+      return grouped([&] {
+        if (!root) return ncclRecv(out.data_ptr(), count(out), type, opts.root_rank, comm_, s);
+        for (int r = 0; r < size(); ++r) {
+          if (r == rank()) continue;
+          const at::Tensor& piece = inputs[0][r];
+          const ncclResult_t res = ncclSend(piece.data_ptr(), count(piece), type, r, comm_, s);
+          if (res != ncclSuccess) return res;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  std::shared_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                       const ReduceScatterOptions& opts = {}) override {
+    static constexpr const char* op = "reduce_scatter";
+    const at::Tensor& out = check_single_tensor(op, outputs, "output");
+    check_one_list(op, inputs.size(), "input");
+    check_tensor_list(op, inputs[0], out, "input");
+    for (const at::Tensor& i : inputs[0]) check_same_numel(op, i, out);
+    check_reduction(op, opts.op, out.scalar_type());
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, out.scalar_type());
+    // The pieces laid end to end (on our stream), then reduce-scattered by NCCL.
+    at::Tensor flat = at::empty({size(), out.numel()}, out.options());
+    std::vector<at::Tensor> touched = inputs[0];
+    touched.push_back(out);
+    touched.push_back(flat);
+    return run(op, opts.timeout, touched, {out}, [&](cudaStream_t s) {
+      for (int r = 0; r < size(); ++r) flat[r].copy_(inputs[0][r].reshape({-1}));
+      return with_op(op, opts.op, out.scalar_type(), type, [&](ncclRedOp_t red) {
+        return ncclReduceScatter(flat.data_ptr(), out.data_ptr(), count(out), type, red, comm_, s);
+      });
+    });
+  }
+
+  std::shared_ptr<Work> reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
+                                              const ReduceScatterOptions& opts = {}) override {
+    static constexpr const char* op = "reduce_scatter_tensor";
+    check_tensor(op, input, 0, "input");
+    check_tensor(op, output, 0, "output");
+    check_same_dtype(input, output);
+    if (input.numel() != output.numel() * size()) {
+      throw std::invalid_argument(
+          std::string(op) + ": the input has " + std::to_string(input.numel()) +
+          " elements, expected the output's " + std::to_string(output.numel()) +
+          " times the group size " + std::to_string(size()));
+    }
+    check_reduction(op, opts.op, input.scalar_type());
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
+    return run(op, opts.timeout, {input, output}, {output}, [&](cudaStream_t s) {
+      return with_op(op, opts.op, input.scalar_type(), type, [&](ncclRedOp_t red) {
+        return ncclReduceScatter(input.data_ptr(), output.data_ptr(), count(output), type, red,
+                                 comm_, s);
+      });
+    });
+  }
+
+  std::shared_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                      std::vector<std::int64_t> output_split_sizes,
+                                      std::vector<std::int64_t> input_split_sizes,
+                                      const AllToAllOptions& opts = {}) override {
+    static constexpr const char* op = "alltoall_base";
+    check_tensor(op, input, 0, "input");
+    check_tensor(op, output, 0, "output");
+    check_same_dtype(input, output);
+    const auto out_rows = split_rows(op, "output", output, output_split_sizes);
+    const auto in_rows = split_rows(op, "input", input, input_split_sizes);
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
+    return run(op, opts.timeout, {input, output}, {output}, [&](cudaStream_t s) {
+      return grouped([&] {
+        std::int64_t in_at = 0;
+        std::int64_t out_at = 0;
+        for (int r = 0; r < size(); ++r) {
+          const at::Tensor send = input.narrow(0, in_at, in_rows[r]);
+          const at::Tensor recv = output.narrow(0, out_at, out_rows[r]);
+          in_at += in_rows[r];
+          out_at += out_rows[r];
+          ncclResult_t res = ncclSend(send.data_ptr(), count(send), type, r, comm_, s);
+          if (res == ncclSuccess) res = ncclRecv(recv.data_ptr(), count(recv), type, r, comm_, s);
+          if (res != ncclSuccess) return res;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                 const AllToAllOptions& opts = {}) override {
+    static constexpr const char* op = "alltoall";
+    if (inputs.empty()) throw std::invalid_argument("alltoall: no input tensors given");
+    check_tensor_list(op, inputs, inputs[0], "input");
+    check_tensor_list(op, outputs, inputs[0], "output");
+    check_call_timeout(op, opts.timeout);
+    const ncclDataType_t type = detail::nccl_type(op, inputs[0].scalar_type());
+    std::vector<at::Tensor> touched = outputs;
+    touched.insert(touched.end(), inputs.begin(), inputs.end());
+    return run(op, opts.timeout, touched, outputs, [&](cudaStream_t s) {
+      return grouped([&] {
+        for (int r = 0; r < size(); ++r) {
+          ncclResult_t res = ncclSend(inputs[r].data_ptr(), count(inputs[r]), type, r, comm_, s);
+          if (res == ncclSuccess)
+            res = ncclRecv(outputs[r].data_ptr(), count(outputs[r]), type, r, comm_, s);
+          if (res != ncclSuccess) return res;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  std::shared_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int /*tag*/) override {
+    static constexpr const char* op = "send";
+    const at::Tensor& t = check_single_tensor(op, tensors);
+    check_peer(op, "destination", dst_rank);
+    const ncclDataType_t type = detail::nccl_type(op, t.scalar_type());
+    return run(
+        op, kUnsetTimeout, {t}, {t},
+        [&](cudaStream_t s) { return ncclSend(t.data_ptr(), count(t), type, dst_rank, comm_, s); },
+        /*collective=*/false);
+  }
+
+  std::shared_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int /*tag*/) override {
+    static constexpr const char* op = "recv";
+    const at::Tensor& t = check_single_tensor(op, tensors, "output");
+    check_peer(op, "source", src_rank);
+    const ncclDataType_t type = detail::nccl_type(op, t.scalar_type());
+    return run(
+        op, kUnsetTimeout, {t}, {t},
+        [&](cudaStream_t s) { return ncclRecv(t.data_ptr(), count(t), type, src_rank, comm_, s); },
+        /*collective=*/false);
+  }
+
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) override {
+    static constexpr const char* op = "barrier";
+    check_call_timeout(op, opts.timeout);
+    at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    return run(op, opts.timeout, {one}, {}, [&](cudaStream_t s) {
+      return ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);
+    });
+  }
+
+  // Fails the pending Works ("shut down"), joins the backend's thread and releases the
+  // communicator (ncclCommAbort: never waits for the peers). Idempotent.
+  void shutdown() override {
+    std::vector<Pending> failed;
+    {
+      std::lock_guard issue(issue_mu_);
+      if (!state_ || !comm_) return;
+      {
+        std::lock_guard lk(state_->mu);
+        if (state_->stopping) return;
+        state_->stopping = true;
+        for (auto& [id, p] : state_->pending) failed.push_back(std::move(p));
+        state_->pending.clear();
+      }
+      state_->cv.notify_all();
+    }
+    if (completer_.joinable()) {
+      // From one of the backend's own callbacks (which dropped the last reference): that thread
+      // touches nothing of this object once it sees `stopping`, so it is left to end by itself.
+      if (completer_.get_id() == std::this_thread::get_id()) {
+        completer_.detach();
+      } else {
+        completer_.join();
+      }
+    }
+    {
+      // Aborted rather than destroyed: destroying waits for the peers, which may be gone.
+      std::lock_guard issue(issue_mu_);
+      if (!aborted_) ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    const auto e = std::make_exception_ptr(DistBackendError("NcclBackend: shut down"));
+    for (auto& p : failed) p.work->finish_error(e);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // An operation queued on the GPU, until its Work completes.
+  struct Pending {
+    std::shared_ptr<Work> work;
+    std::vector<at::Tensor> outputs;
+    std::string op;
+    std::int64_t seq = -1;
+    std::chrono::milliseconds timeout{0};
+    Clock::time_point started;
+  };
+  // Shared with the host functions CUDA runs behind each operation (they may run after the
+  // backend is gone: they hold it weakly) and with the backend's thread.
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<std::uint64_t, Pending> pending;  // queued, not yet completed, by issue order
+    std::set<std::uint64_t> done;              // finished on the GPU, not yet completed here
+    bool stopping = false;
+  };
+  struct HostFnArg {
+    std::weak_ptr<State> state;
+    std::uint64_t id;
+  };
+
+  static std::size_t count(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
+  // c10's CUDA interface (streams, events, the allocator): there once a CUDA libtorch is loaded.
+  static c10::impl::VirtualGuardImpl cuda() { return c10::impl::VirtualGuardImpl(c10::kCUDA); }
+
+  // "<op>: <what> <i> is on cpu; the nccl backend serves CUDA tensors on cuda:0", and the other
+  // checks a tensor NCCL reads or writes in place must pass (Backend's list and single-tensor
+  // checks call this).
+  void check_tensor(const char* op, const at::Tensor& t, std::size_t index,
+                    const char* what) const override {
+    check_defined(op, t, index, what);
+    const std::string which = std::string(op) + ": " + what + " " + std::to_string(index);
+    if (t.device() != device_) {
+      throw std::invalid_argument(which + " is on " + t.device().str() +
+                                  "; the nccl backend serves CUDA tensors on " + device_.str());
+    }
+    if (t.layout() != at::kStrided) {
+      throw std::invalid_argument(which + " is not a dense (strided) tensor");
+    }
+    if (!t.is_contiguous()) {
+      throw std::invalid_argument(which + " is not contiguous (NCCL reads and writes it in place)");
+    }
+  }
+  static void check_same_numel(const char* op, const at::Tensor& a, const at::Tensor& b) {
+    if (a.numel() != b.numel()) {
+      throw std::invalid_argument(std::string(op) + ": tensors of " + std::to_string(a.numel()) +
+                                  " and " + std::to_string(b.numel()) +
+                                  " elements where every piece must be the same size");
+    }
+  }
+
+  // What with_op would refuse, checked before anything is queued (a refused call takes no
+  // sequence number).
+  static void check_reduction(const char* name, const ReduceOp& op, at::ScalarType dtype) {
+    switch (op.kind()) {
+      case ReduceOp::SUM:
+      case ReduceOp::PRODUCT:
+      case ReduceOp::MIN:
+      case ReduceOp::MAX:
+        return;
+      case ReduceOp::AVG:
+        if (dtype == at::kBool) {
+          throw std::invalid_argument("Cannot use ReduceOp.AVG with boolean inputs");
+        }
+        return;
+      case ReduceOp::PREMUL_SUM:
+        if (!op.has_scalar_factor()) {
+          throw std::invalid_argument(std::string(name) +
+                                      ": the nccl backend takes PREMUL_SUM with a scalar factor");
+        }
+        if (dtype != at::kDouble && dtype != at::kFloat && dtype != at::kHalf &&
+            dtype != at::kBFloat16) {
+          throw std::invalid_argument(std::string(name) +
+                                      ": PREMUL_SUM needs a floating-point tensor, got " +
+                                      c10::toString(dtype));
+        }
+        return;
+      default:
+        throw std::invalid_argument(std::string("Cannot use ") + op.describe() + " with NCCL");
+    }
+  }
+
+  // Runs `call(reduction)` with NCCL's reduction for `op` (PyTorch's rules for bool), releasing a
+  // PREMUL_SUM reduction afterwards. check_reduction has accepted `op` for `dtype`.
+  template <class F>
+  ncclResult_t with_op(const char* name, const ReduceOp& op, at::ScalarType dtype,
+                       ncclDataType_t type, F&& call) {
+    const bool is_bool = dtype == at::kBool;
+    switch (op.kind()) {
+      case ReduceOp::SUM:
+        return call(is_bool ? ncclMax : ncclSum);
+      case ReduceOp::PRODUCT:
+        return call(is_bool ? ncclMin : ncclProd);
+      case ReduceOp::MIN:
+        return call(ncclMin);
+      case ReduceOp::MAX:
+        return call(ncclMax);
+      case ReduceOp::AVG:
+        return call(ncclAvg);
+      case ReduceOp::PREMUL_SUM: {
+        check_reduction(name, op, dtype);
+        ncclRedOp_t premul{};
+        ncclResult_t r = ncclSuccess;
+        // The factor in the tensors' own type, read by NCCL from host memory at the call.
+        const double f = op.scalar_factor();
+        if (dtype == at::kDouble) {
+          double v = f;
+          r = ncclRedOpCreatePreMulSum(&premul, &v, type, ncclScalarHostImmediate, comm_);
+        } else if (dtype == at::kFloat) {
+          float v = static_cast<float>(f);
+          r = ncclRedOpCreatePreMulSum(&premul, &v, type, ncclScalarHostImmediate, comm_);
+        } else if (dtype == at::kHalf) {
+          at::Half v(static_cast<float>(f));
+          r = ncclRedOpCreatePreMulSum(&premul, &v, type, ncclScalarHostImmediate, comm_);
+        } else {  // bfloat16 (check_reduction allows nothing else)
+          at::BFloat16 v(static_cast<float>(f));
+          r = ncclRedOpCreatePreMulSum(&premul, &v, type, ncclScalarHostImmediate, comm_);
+        }
+        if (r != ncclSuccess) return r;
+        const ncclResult_t res = call(premul);
+        ncclRedOpDestroy(premul, comm_);
+        return res;
+      }
+      default:
+        check_reduction(name, op, dtype);  // throws for what NCCL lacks
+        throw std::logic_error("NcclBackend: unhandled " + op.describe());
+    }
+  }
+
+  // NCCL calls between ncclGroupStart and ncclGroupEnd, which run them as one operation. The
+  // group is closed whatever happens inside (an open group would defer every later NCCL call of
+  // this thread).
+  template <class F>
+  static ncclResult_t grouped(F&& calls) {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    struct Close {
+      ncclResult_t* end;
+      ~Close() { *end = ncclGroupEnd(); }
+    };
+    ncclResult_t end = ncclSuccess;
+    ncclResult_t inside = ncclSuccess;
+    {
+      const Close close{&end};
+      inside = calls();
+    }
+    return inside != ncclSuccess ? inside : end;
+  }
+
+  // The CUDA stream behind a c10 stream. libtorch 2.x names it (Stream::native_handle); 1.13 has
+  // no device-generic way, and no CUDA build of it is supported here.
+  template <class S>
+  static cudaStream_t native(const S& s) {
+    if constexpr (requires { s.native_handle(); }) {
+      return static_cast<cudaStream_t>(s.native_handle());
+    } else {
+      throw DistBackendError(
+          "NcclBackend: this libtorch cannot name a CUDA stream's handle (Stream::native_handle, "
+          "libtorch 2.x)");
+    }
+  }
+
+  std::string nccl_error(const char* what, ncclResult_t r) const {
+    std::string text = std::string("NcclBackend: ") + what + " failed: " + ncclGetErrorString(r);
+    const char* last = comm_ ? ncclGetLastError(comm_) : ncclGetLastError(nullptr);
+    if (last && *last) text += std::string(" (") + last + ")";
+    return text;
+  }
+
+  // Rendezvous through the store, then the communicator.
+  ncclComm_t join(store::Store& store, int rank, int size, std::chrono::milliseconds timeout) {
+    ncclUniqueId id{};
+    try {
+      // The store is the group's own; the members of a group make their backends on it in the
+      // same order, so each member's n-th one meets the others' n-th.
+      const std::string prefix =
+          "nccl/" + std::to_string(store.add("nccl/made/" + std::to_string(rank), 1)) + "/";
+      if (rank == 0) {
+        const ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) throw DistBackendError(nccl_error("ncclGetUniqueId", r));
+        store.set(prefix + "id",
+                  store::Bytes(reinterpret_cast<const std::uint8_t*>(&id),
+                               reinterpret_cast<const std::uint8_t*>(&id) + sizeof id));
+      }
+      if (store.add(prefix + "arrived", 1) == size)
+        store.set(prefix + "all", std::string_view("1"));
+      store.wait({prefix + "id", prefix + "all"}, timeout);
+      const store::Bytes got = store.get(prefix + "id");
+      if (got.size() != sizeof id) {
+        throw DistBackendError("NcclBackend: the unique id in the store has " +
+                               std::to_string(got.size()) + " bytes, expected " +
+                               std::to_string(sizeof id));
+      }
+      std::memcpy(&id, got.data(), sizeof id);
+    } catch (const DistError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistBackendError(std::string("NcclBackend: meeting the group through the store: ") +
+                             e.what());
+    }
+    ncclComm_t comm = nullptr;
+    const ncclResult_t r = ncclCommInitRank(&comm, size, id, rank);
+    if (r != ncclSuccess) throw DistBackendError(nccl_error("ncclCommInitRank", r));
+    return comm;
+  }
+
+  // Queues one operation: our stream waits for the caller's, `issue` queues the NCCL calls (and
+  // any copies) on it, a host function behind them reports the end. `touched`: every tensor the
+  // GPU reads or writes (marked in use on our stream); `outputs`: the Work's result.
+  template <class Issue>
+  std::shared_ptr<Work> run(const char* op, std::chrono::milliseconds requested,
+                            std::vector<at::Tensor> touched, std::vector<at::Tensor> outputs,
+                            Issue&& issue, bool collective = true) {
+    std::lock_guard lk(issue_mu_);
+    if (!comm_ || state_->stopping) throw DistBackendError("NcclBackend: shut down");
+    if (aborted_) throw DistBackendError(abort_text_);
+    const std::int64_t seq = collective ? static_cast<std::int64_t>(next_sequence_number()) : -1;
+    const std::uint64_t id = ++issued_;
+    auto work = std::make_shared<Work>(op, seq);
+    // Pending (with its deadline) before NCCL is called: a call stuck inside NCCL is then
+    // watched too, and a completion cannot arrive before its entry.
+    {
+      std::lock_guard slk(state_->mu);
+      state_->pending.emplace(
+          id, Pending{work, std::move(outputs), op, seq, timeout_for(requested), Clock::now()});
+    }
+    state_->cv.notify_all();
+    auto forget = [&] {
+      std::lock_guard slk(state_->mu);
+      state_->pending.erase(id);
+    };
+
+    const c10::DeviceGuard on_device(device_);
+    c10::Event ready(c10::kCUDA);
+    ready.record(cuda().getStream(device_));
+    ready.block(stream_);
+    for (const at::Tensor& t : touched) {
+      if (t.defined() && t.has_storage())
+        cuda().recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+    }
+    const cudaStream_t s = native(stream_);
+    ncclResult_t r = ncclSuccess;
+    try {
+      const c10::StreamGuard on_stream(stream_);  // the copies some operations add run here too
+      r = issue(s);
+    } catch (...) {
+      forget();
+      throw;
+    }
+    // The watchdog may have aborted the communicator meanwhile (this call was stuck): it is not
+    // touched again.
+    if (aborted_) {
+      forget();
+      throw DistBackendError(abort_text_);
+    }
+    if (r != ncclSuccess) {
+      forget();
+      throw DistBackendError(nccl_error(op, r));
+    }
+    auto* arg = new HostFnArg{state_, id};
+    const cudaError_t e = cudaLaunchHostFunc(s, &NcclBackend::on_gpu_done, arg);
+    if (e != cudaSuccess) {
+      delete arg;
+      forget();
+      throw DistBackendError(std::string("NcclBackend: ") + op +
+                             ": cudaLaunchHostFunc failed: " + cudaGetErrorString(e));
+    }
+    return work;
+  }
+
+  // Runs on a CUDA thread once the GPU reaches it: no CUDA call here, only the wake-up.
+  static void on_gpu_done(void* p) {
+    std::unique_ptr<HostFnArg> arg(static_cast<HostFnArg*>(p));
+    if (auto state = arg->state.lock()) {
+      {
+        std::lock_guard lk(state->mu);
+        state->done.insert(arg->id);
+      }
+      state->cv.notify_all();
+    }
+  }
+
+  // The backend's thread: completes the Works the GPU finished, and watches the others'
+  // deadlines and NCCL's errors. It holds the state itself: once `stopping` is set it touches
+  // nothing else of this object (shutdown may have come from one of its own callbacks).
+  void complete_loop() {
+    const std::shared_ptr<State> state = state_;
+    std::unique_lock lk(state->mu);
+    auto last_poll = Clock::now();
+    while (!state->stopping) {
+      std::vector<Pending> finished;
+      for (const std::uint64_t id : state->done) {
+        auto p = state->pending.find(id);
+        if (p == state->pending.end()) continue;  // failed by an abort meanwhile
+        finished.push_back(std::move(p->second));
+        state->pending.erase(p);
+      }
+      state->done.clear();
+      if (!finished.empty()) {
+        // The GPU has finished them (the host function runs behind them on our stream): any
+        // stream reads the outputs as they are, so the Works' futures need no device.
+        lk.unlock();
+        for (auto& f : finished) f.work->finish(std::move(f.outputs));
+        finished.clear();
+        lk.lock();
+        continue;
+      }
+      if (state->pending.empty()) {
+        state->cv.wait(lk);
+        continue;
+      }
+      // The earliest deadline, and NCCL's asynchronous errors every 100 ms meanwhile.
+      const auto now = Clock::now();
+      const Pending* late = nullptr;
+      auto next = now + std::chrono::milliseconds(100);
+      for (const auto& [id, p] : state->pending) {
+        const auto deadline = p.started + p.timeout;
+        if (deadline <= now) {
+          late = &p;
+          break;
+        }
+        next = std::min(next, deadline);
+      }
+      std::string failure;
+      if (late) {
+        failure = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=" +
+                  std::to_string(late->seq) + ", OpType=" + detail::op_type(late->op) +
+                  ", Timeout(ms)=" + std::to_string(late->timeout.count()) + ") ran for " +
+                  std::to_string(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(now - late->started)
+                          .count()) +
+                  " milliseconds before timing out.";
+      } else if (!aborted_ && now - last_poll >= std::chrono::milliseconds(100)) {
+        last_poll = now;
+        ncclResult_t async = ncclSuccess;
+        if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+            async != ncclInProgress) {
+          failure = nccl_error("an operation", async);
+        }
+      }
+      if (failure.empty()) {
+        state->cv.wait_until(lk, next);
+        continue;
+      }
+      // Abort: the queued operations end, every pending Work fails with the same text.
+      std::vector<Pending> failed;
+      for (auto& [id, p] : state->pending) failed.push_back(std::move(p));
+      state->pending.clear();
+      lk.unlock();
+      {
+        // Normally no call is inside NCCL and this takes the lock at once. A caller stuck inside
+        // one (a send whose peer never comes) holds it: after a second the abort goes ahead
+        // anyway, which is what ends that call; that caller then sees the abort and touches the
+        // communicator no more.
+        std::unique_lock issue(issue_mu_, std::defer_lock);
+        (void)issue.try_lock_for(std::chrono::seconds(1));
+        if (!aborted_) {
+          abort_text_ = failure + " The communicator was aborted; this group cannot be used again.";
+          aborted_ = true;  // after the text: a caller that sees the flag reads a finished text
+          ncclCommAbort(comm_);
+        }
+      }
+      const auto e = std::make_exception_ptr(DistBackendError(failure));
+      for (auto& p : failed) p.work->finish_error(e);
+      failed.clear();
+      lk.lock();
+    }
+  }
+
+  c10::Device device_{c10::kCUDA, 0};
+  c10::Stream stream_{c10::Stream::DEFAULT, c10::Device(c10::kCUDA, 0)};
+  ncclComm_t comm_ = nullptr;
+  std::timed_mutex issue_mu_;  // NCCL calls on comm_; aborted_, abort_text_ (see complete_loop)
+  std::atomic<bool> aborted_{false};
+  std::string abort_text_;    // set before aborted_
+  std::uint64_t issued_ = 0;  // under issue_mu_
+  std::shared_ptr<State> state_;
+  std::thread completer_;
+};
+
+// Registers "nccl" (for "cuda") with register_backend, once per process; afterwards
+// is_backend_available("nccl") is true and backend_creator("nccl") makes an NcclBackend on the
+// current CUDA device.
+inline void register_nccl_backend() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (is_backend_available("nccl")) return;
+    register_backend("nccl",
+                     [](std::shared_ptr<store::Store> store, int rank, int size,
+                        std::chrono::milliseconds timeout) -> std::shared_ptr<Backend> {
+                       return std::make_shared<NcclBackend>(std::move(store), rank, size, timeout);
+                     },
+                     {"cuda"});
+  });
+}
+
+}  // namespace distrpc::dist
+
+#endif  // DISTRPC_HAVE_NCCL
