@@ -30,6 +30,14 @@ common=(-std=c++20 -D_FILE_OFFSET_BITS=64 -D_GLIBCXX_USE_CXX11_ABI=1 -DASIO_STAN
         -I"$repo/transports/shm/include" -I"$repo/transports/faulty/include"
         -I"$repo/examples" -isystem /usr/include/torch/csrc/api/include -fsyntax-only)
 [ -f /usr/include/gloo/context.h ] && common+=(-DUSE_C10D_GLOO)
+# NCCL's switch and headers where Meson's default -Dnvidia_dir has them (bench_nccl needs them;
+# without them that example is left out here, as Meson leaves it out of the build).
+nccl_inc=/usr/local/cuda/include
+have_nccl=0
+if [ -f "$nccl_inc/nccl.h" ] && [ -f "$nccl_inc/cuda_runtime_api.h" ]; then
+  common+=(-DDISTRPC_HAVE_NCCL -isystem "$nccl_inc")
+  have_nccl=1
+fi
 
 # unit OUT PREFIX FILES...: one source holding every public header (tests/syntax/everything.hpp),
 # the files' own #include lines, then each file inside namespace PREFIX<name>.
@@ -47,7 +55,10 @@ unit() {
 fail_files=("$repo"/tests/compile_fail/*.cpp)
 example_files=()
 for f in "$repo"/examples/*.cpp; do
-  case "$(basename "$f")" in soak.cpp | distrpc_run.cpp) continue ;; esac
+  case "$(basename "$f")" in
+    soak.cpp | distrpc_run.cpp) continue ;;
+    bench_nccl.cpp) [ "$have_nccl" = 1 ] || continue ;;
+  esac
   example_files+=("$f")
 done
 unit "$out_dir/fail.cpp" case_ "${fail_files[@]}"

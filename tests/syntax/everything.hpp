@@ -13,6 +13,7 @@
 #include "distrpc/dist/backend_config.hpp"
 #include "distrpc/dist/distrpc_backend.hpp"
 #include "distrpc/dist/gloo_backend.hpp"  // empty unless USE_C10D_GLOO (gloo found)
+#include "distrpc/dist/nccl_backend.hpp"  // empty unless DISTRPC_HAVE_NCCL (NCCL found)
 #include "distrpc/dist_autograd.hpp"
 #include "distrpc/dist_optim.hpp"
 #include "distrpc/distrpc.hpp"

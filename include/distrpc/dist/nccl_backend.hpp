@@ -44,7 +44,8 @@
 //
 // Threads: callers queue operations under one lock (NCCL's calls on a communicator must not run
 // concurrently); no lock is held while a Work completes. One thread per backend completes Works
-// (so a future's callbacks run there) and keeps the watchdog; shutdown() joins it.
+// (so a future's callbacks run there) and keeps the watchdog; shutdown() joins it. A callback
+// must not wait for a later Work of the same backend: that thread is the one that completes it.
 #pragma once
 
 #ifdef DISTRPC_HAVE_NCCL
