@@ -111,6 +111,25 @@ inline bool is_backend_available(std::string_view name) {
   return reg.by_name.count(detail::lower(name)) != 0;
 }
 
+// Registers `name` for `devices`, each member made by B(store, rank, size, timeout) (a backend
+// class whose further options have defaults), once per process: a later call, or a call after
+// `name` was registered some other way, changes nothing (register_gloo_backend,
+// register_nccl_backend).
+template <class B>
+void register_backend_class_once(std::string_view name, std::vector<std::string> devices) {
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    if (is_backend_available(name)) return;
+    register_backend(
+        name,
+        [](std::shared_ptr<store::Store> store, int rank, int size,
+           std::chrono::milliseconds timeout) -> std::shared_ptr<Backend> {
+          return std::make_shared<B>(std::move(store), rank, size, timeout);
+        },
+        std::move(devices));
+  });
+}
+
 // The creator registered under name; throws naming the backend if there is none. The creator is
 // returned, not called, so no registry lock is held while it runs.
 inline BackendCreator backend_creator(std::string_view name) {

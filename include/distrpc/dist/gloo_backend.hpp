@@ -886,16 +886,7 @@ class GlooBackend : public Backend {
 // Registers "gloo" (for "cpu") with register_backend, once per process; afterwards
 // is_backend_available("gloo") is true and backend_creator("gloo") makes a GlooBackend.
 inline void register_gloo_backend() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (is_backend_available("gloo")) return;
-    register_backend("gloo",
-                     [](std::shared_ptr<store::Store> store, int rank, int size,
-                        std::chrono::milliseconds timeout) -> std::shared_ptr<Backend> {
-                       return std::make_shared<GlooBackend>(std::move(store), rank, size, timeout);
-                     },
-                     {"cpu"});
-  });
+  register_backend_class_once<GlooBackend>("gloo", {"cpu"});
 }
 
 }  // namespace distrpc::dist

@@ -153,6 +153,7 @@ class NcclBackend : public Backend {
     device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     const c10::DeviceGuard on_device(device_);
     stream_ = cuda().getStreamFromGlobalPool(device_);
+    ready_.emplace(c10::kCUDA);
     (void)native(stream_);  // a libtorch that cannot name it fails here, before the group meets
     comm_ = join(*store, rank, size, timeout);
     state_ = std::make_shared<State>();
@@ -204,13 +205,9 @@ class NcclBackend : public Backend {
     const ncclDataType_t type = detail::nccl_type(op, tensors[0].scalar_type());
     return run(op, opts.timeout, tensors, tensors, [&](cudaStream_t s) {
       return with_op(op, opts.op, tensors[0].scalar_type(), type, [&](ncclRedOp_t r) {
-        return grouped([&] {
-          for (const at::Tensor& t : tensors) {
-            const ncclResult_t res =
-                ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), type, r, comm_, s);
-            if (res != ncclSuccess) return res;
-          }
-          return ncclSuccess;
+        return each_in_group(static_cast<int>(tensors.size()), [&](int i) {
+          const at::Tensor& t = tensors[static_cast<std::size_t>(i)];
+          return ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), type, r, comm_, s);
         });
       });
     });
@@ -263,12 +260,7 @@ class NcclBackend : public Backend {
     check_tensor(op, input, 0, "input");
     check_tensor(op, output, 0, "output");
     check_same_dtype(input, output);
-    if (output.numel() != input.numel() * size()) {
-      throw std::invalid_argument(
-          std::string(op) + ": the output has " + std::to_string(output.numel()) +
-          " elements, expected the input's " + std::to_string(input.numel()) +
-          " times the group size " + std::to_string(size()));
-    }
+    check_group_multiple(op, output, "output", input, "input");
     check_call_timeout(op, opts.timeout);
     const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
     return run(op, opts.timeout, {input, output}, {output}, [&](cudaStream_t s) {
@@ -295,14 +287,9 @@ class NcclBackend : public Backend {
     touched.push_back(in);
     return run(op, opts.timeout, touched, results, [&](cudaStream_t s) {
       if (root) results[rank()].copy_(in.view_as(results[rank()]));  // before the group opens
-      return grouped([&] {
-        if (!root) return ncclSend(in.data_ptr(), count(in), type, opts.root_rank, comm_, s);
-        for (int r = 0; r < size(); ++r) {
-          if (r == rank()) continue;
-          const ncclResult_t res = ncclRecv(results[r].data_ptr(), count(in), type, r, comm_, s);
-          if (res != ncclSuccess) return res;
-        }
-        return ncclSuccess;
+      return with_root(opts.root_rank, [&](int r) {
+        return root ? ncclRecv(results[r].data_ptr(), count(in), type, r, comm_, s)
+                    : ncclSend(in.data_ptr(), count(in), type, r, comm_, s);
       });
     });
   }
@@ -325,15 +312,9 @@ class NcclBackend : public Backend {
     touched.push_back(out);
     return run(op, opts.timeout, touched, {out}, [&](cudaStream_t s) {
       if (root) out.copy_(inputs[0][rank()].view_as(out));  // before the group opens
-      return grouped([&] {
-        if (!root) return ncclRecv(out.data_ptr(), count(out), type, opts.root_rank, comm_, s);
-        for (int r = 0; r < size(); ++r) {
-          if (r == rank()) continue;
-          const at::Tensor& piece = inputs[0][r];
-          const ncclResult_t res = ncclSend(piece.data_ptr(), count(piece), type, r, comm_, s);
-          if (res != ncclSuccess) return res;
-        }
-        return ncclSuccess;
+      return with_root(opts.root_rank, [&](int r) {
+        return root ? ncclSend(inputs[0][r].data_ptr(), count(out), type, r, comm_, s)
+                    : ncclRecv(out.data_ptr(), count(out), type, r, comm_, s);
       });
     });
   }
@@ -368,12 +349,7 @@ class NcclBackend : public Backend {
     check_tensor(op, input, 0, "input");
     check_tensor(op, output, 0, "output");
     check_same_dtype(input, output);
-    if (input.numel() != output.numel() * size()) {
-      throw std::invalid_argument(
-          std::string(op) + ": the input has " + std::to_string(input.numel()) +
-          " elements, expected the output's " + std::to_string(output.numel()) +
-          " times the group size " + std::to_string(size()));
-    }
+    check_group_multiple(op, input, "input", output, "output");
     check_reduction(op, opts.op, input.scalar_type());
     check_call_timeout(op, opts.timeout);
     const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
@@ -398,19 +374,14 @@ class NcclBackend : public Backend {
     check_call_timeout(op, opts.timeout);
     const ncclDataType_t type = detail::nccl_type(op, input.scalar_type());
     return run(op, opts.timeout, {input, output}, {output}, [&](cudaStream_t s) {
-      return grouped([&] {
-        std::int64_t in_at = 0;
-        std::int64_t out_at = 0;
-        for (int r = 0; r < size(); ++r) {
-          const at::Tensor send = input.narrow(0, in_at, in_rows[r]);
-          const at::Tensor recv = output.narrow(0, out_at, out_rows[r]);
-          in_at += in_rows[r];
-          out_at += out_rows[r];
-          ncclResult_t res = ncclSend(send.data_ptr(), count(send), type, r, comm_, s);
-          if (res == ncclSuccess) res = ncclRecv(recv.data_ptr(), count(recv), type, r, comm_, s);
-          if (res != ncclSuccess) return res;
-        }
-        return ncclSuccess;
+      std::int64_t in_at = 0;
+      std::int64_t out_at = 0;
+      return each_in_group(size(), [&](int r) {
+        const at::Tensor send = input.narrow(0, in_at, in_rows[r]);
+        const at::Tensor recv = output.narrow(0, out_at, out_rows[r]);
+        in_at += in_rows[r];
+        out_at += out_rows[r];
+        return exchange(send, recv, type, r, s);
       });
     });
   }
@@ -426,15 +397,8 @@ class NcclBackend : public Backend {
     std::vector<at::Tensor> touched = outputs;
     touched.insert(touched.end(), inputs.begin(), inputs.end());
     return run(op, opts.timeout, touched, outputs, [&](cudaStream_t s) {
-      return grouped([&] {
-        for (int r = 0; r < size(); ++r) {
-          ncclResult_t res = ncclSend(inputs[r].data_ptr(), count(inputs[r]), type, r, comm_, s);
-          if (res == ncclSuccess)
-            res = ncclRecv(outputs[r].data_ptr(), count(outputs[r]), type, r, comm_, s);
-          if (res != ncclSuccess) return res;
-        }
-        return ncclSuccess;
-      });
+      return each_in_group(size(),
+                           [&](int r) { return exchange(inputs[r], outputs[r], type, r, s); });
     });
   }
 
@@ -552,6 +516,17 @@ class NcclBackend : public Backend {
       throw std::invalid_argument(which + " is not contiguous (NCCL reads and writes it in place)");
     }
   }
+  // "<op>: the output has 3 elements, expected the input's 2 times the group size 1": `whole`
+  // holds one `piece` per member.
+  void check_group_multiple(const char* op, const at::Tensor& whole, const char* whole_name,
+                            const at::Tensor& piece, const char* piece_name) const {
+    if (whole.numel() != piece.numel() * size()) {
+      throw std::invalid_argument(std::string(op) + ": the " + whole_name + " has " +
+                                  std::to_string(whole.numel()) + " elements, expected the " +
+                                  piece_name + "'s " + std::to_string(piece.numel()) +
+                                  " times the group size " + std::to_string(size()));
+    }
+  }
   static void check_same_numel(const char* op, const at::Tensor& a, const at::Tensor& b) {
     if (a.numel() != b.numel()) {
       throw std::invalid_argument(std::string(op) + ": tensors of " + std::to_string(a.numel()) +
@@ -658,6 +633,31 @@ class NcclBackend : public Backend {
     return inside != ncclSuccess ? inside : end;
   }
 
+  // call(i) for i in [0, n), in one group, stopping at the first failure.
+  template <class F>
+  static ncclResult_t each_in_group(int n, F&& call) {
+    return grouped([&] {
+      for (int i = 0; i < n; ++i) {
+        const ncclResult_t res = call(i);
+        if (res != ncclSuccess) return res;
+      }
+      return ncclSuccess;
+    });
+  }
+  // gather's and scatter's pattern, in one group: a member other than the root makes
+  // call(root); the root makes call(r) for every other member.
+  template <class F>
+  ncclResult_t with_root(int root, F&& call) {
+    if (rank() != root) return grouped([&] { return call(root); });
+    return each_in_group(size(), [&](int r) { return r == rank() ? ncclSuccess : call(r); });
+  }
+  // The all-to-alls' step with member r: send `out` to it, receive `in` from it.
+  ncclResult_t exchange(const at::Tensor& out, const at::Tensor& in, ncclDataType_t type, int r,
+                        cudaStream_t s) {
+    const ncclResult_t res = ncclSend(out.data_ptr(), count(out), type, r, comm_, s);
+    return res != ncclSuccess ? res : ncclRecv(in.data_ptr(), count(in), type, r, comm_, s);
+  }
+
   // The CUDA stream behind a c10 stream. libtorch 2.x names it (Stream::native_handle); 1.13 has
   // no device-generic way, and no CUDA build of it is supported here.
   template <class S>
@@ -742,9 +742,8 @@ class NcclBackend : public Backend {
     };
 
     const c10::DeviceGuard on_device(device_);
-    c10::Event ready(c10::kCUDA);
-    ready.record(cuda().getStream(device_));
-    ready.block(stream_);
+    ready_->record(cuda().getStream(device_));
+    ready_->block(stream_);
     for (const at::Tensor& t : touched) {
       if (t.defined() && t.has_storage())
         cuda().recordDataPtrOnStream(t.storage().data_ptr(), stream_);
@@ -880,6 +879,9 @@ class NcclBackend : public Backend {
 
   c10::Device device_{c10::kCUDA, 0};
   c10::Stream stream_{c10::Stream::DEFAULT, c10::Device(c10::kCUDA, 0)};
+  // Marks the caller's stream for ours to wait on, reused by every operation under issue_mu_
+  // (a wait takes the event as it is when asked). Made once a CUDA device is known to be there.
+  std::optional<c10::Event> ready_;
   ncclComm_t comm_ = nullptr;
   std::timed_mutex issue_mu_;  // NCCL calls on comm_; aborted_, abort_text_ (see complete_loop)
   std::atomic<bool> aborted_{false};
@@ -893,16 +895,7 @@ class NcclBackend : public Backend {
 // is_backend_available("nccl") is true and backend_creator("nccl") makes an NcclBackend on the
 // current CUDA device.
 inline void register_nccl_backend() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (is_backend_available("nccl")) return;
-    register_backend("nccl",
-                     [](std::shared_ptr<store::Store> store, int rank, int size,
-                        std::chrono::milliseconds timeout) -> std::shared_ptr<Backend> {
-                       return std::make_shared<NcclBackend>(std::move(store), rank, size, timeout);
-                     },
-                     {"cuda"});
-  });
+  register_backend_class_once<NcclBackend>("nccl", {"cuda"});
 }
 
 }  // namespace distrpc::dist
