@@ -750,9 +750,15 @@ class RpcAgent : public AgentServices,
                                      const std::string& what) const {
     try {
       std::rethrow_exception(e);
-    } catch (const DistError&) {
-      return std::current_exception();
     } catch (const std::exception& ex) {
+      // A call that raced past the `stopped_` check meets the transport this agent's stop shut
+      // down: that refusal is the agent's stop, and says so in the agent's words.
+      if (stopped_.load()) {
+        return std::make_exception_ptr(RpcError("RPC agent of " + self().str() +
+                                                " is shut down: " + what + " to " + to.str() +
+                                                " not sent (" + ex.what() + ")"));
+      }
+      if (dynamic_cast<const DistError*>(&ex) != nullptr) return e;
       return std::make_exception_ptr(
           RpcError("RPC " + what + " to " + to.str() + " could not be sent: " + ex.what()));
     } catch (...) {
