@@ -2,7 +2,7 @@
 // can be compared side by side. Starts its own two worker processes on loopback (re-executing
 // this binary; no fork) and prints one JSON object.
 //
-//   build/examples/bench_rpc [--transport tcp|shm|auto] [--small N] [--big N] [--async N]
+//   build/examples/bench_rpc [--transport tcp|shm|auto|cuda_ipc] [--small N] [--big N] [--async N]
 //                            [--async-windows N]
 //                            [--sync-spin-us N]   (RpcBackendOptions::sync_wait_spin; default: its)
 //                            [--tls [DIR]]   (mutual TLS on tcp: DIR holds ca.pem, cert.pem and
@@ -60,6 +60,9 @@
 #include "distrpc/transport/auto.hpp"
 #include "distrpc/transport/shm.hpp"
 #define BENCH_HAVE_SHM 1
+#endif
+#ifdef DISTRPC_HAVE_CUDART
+#include "distrpc/transport/cuda_ipc.hpp"
 #endif
 #include "spawn_self.hpp"
 
@@ -146,16 +149,18 @@ Args parse(int argc, char** argv) {
                                   std::to_string(value));
     }
   }
+  std::vector<std::string> known{"tcp"};
 #ifdef BENCH_HAVE_SHM
-  if (a.transport != "tcp" && a.transport != "shm" && a.transport != "auto") {
-    throw std::invalid_argument("unknown transport '" + a.transport +
-                                "': this build has: tcp, shm, auto");
-  }
-#else
-  if (a.transport != "tcp") {
-    throw std::invalid_argument("unknown transport '" + a.transport + "': this build has: tcp");
-  }
+  known.insert(known.end(), {"shm", "auto"});
 #endif
+#ifdef DISTRPC_HAVE_CUDART
+  known.push_back("cuda_ipc");
+#endif
+  if (std::find(known.begin(), known.end(), a.transport) == known.end()) {
+    std::string list;
+    for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    throw std::invalid_argument("unknown transport '" + a.transport + "': this build has: " + list);
+  }
   return a;
 }
 
@@ -202,6 +207,20 @@ std::string cuda_figures(const Args& a) {
   return buf;
 }
 
+// init_rpc on the policy --transport names (parse() accepted it for this build).
+void init_worker(const Args& a, const std::string& me, const distrpc::RpcBackendOptions& opts) {
+  using namespace distrpc::transport;
+#ifdef BENCH_HAVE_SHM
+  if (a.transport == "shm") return distrpc::init_rpc<Shm>(me, a.rank, 2, opts);
+  if (a.transport == "auto") return distrpc::init_rpc<Auto<Shm, Tcp>>(me, a.rank, 2, opts);
+#endif
+#ifdef DISTRPC_HAVE_CUDART
+  // CUDA tensors GPU to GPU through CUDA IPC, the messages over tcp.
+  if (a.transport == "cuda_ipc") return distrpc::init_rpc<CudaIpc<Tcp>>(me, a.rank, 2, opts);
+#endif
+  distrpc::init_rpc<Tcp>(me, a.rank, 2, opts);
+}
+
 int run_worker(const Args& a) {
   distrpc::RpcBackendOptions opts;
   opts.init_method = a.init;
@@ -210,17 +229,7 @@ int run_worker(const Args& a) {
   if (a.sync_spin_us >= 0) opts.sync_wait_spin = std::chrono::microseconds(a.sync_spin_us);
   const std::string me = "worker" + std::to_string(a.rank);
   if (a.cuda) opts.set_device_map("worker" + std::to_string(1 - a.rank), {{0, 0}});
-#ifdef BENCH_HAVE_SHM
-  if (a.transport == "shm") {
-    distrpc::init_rpc<distrpc::transport::Shm>(me, a.rank, 2, opts);
-  } else if (a.transport == "auto") {
-    distrpc::init_rpc<distrpc::transport::Auto<distrpc::transport::Shm, distrpc::transport::Tcp>>(
-        me, a.rank, 2, opts);
-  } else
-#endif
-  {
-    distrpc::init_rpc<distrpc::transport::Tcp>(me, a.rank, 2, opts);
-  }
+  init_worker(a, me, opts);
   if (a.rank == 0 && a.cuda) {
     std::ofstream(a.out) << cuda_figures(a) << "\n";
   } else if (a.rank == 0) {

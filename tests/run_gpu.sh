@@ -114,7 +114,8 @@ rm -rf "$logdir"
 if [ "${DISTRPC_GPU_BENCH:-1}" = "1" ]; then
   header "GPU benchmarks (bench_rpc --cuda, PyTorch's RPC with a device map; bench_nccl, PyTorch's NCCL)"
   # A benchmark that fails (not one that skips for want of a GPU) counts as a failure.
-  for tr in shm tcp; do
+  # cuda_ipc: GPU to GPU through CUDA IPC (built where the CUDA runtime was found).
+  for tr in cuda_ipc shm tcp; do
     timeout 300 "$build/examples/bench_rpc" --cuda --transport "$tr" || failed=$((failed + 1))
   done
   timeout 300 "$python" examples/reference/torch_cuda_rpc_ref.py || failed=$((failed + 1))

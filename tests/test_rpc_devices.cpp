@@ -17,6 +17,10 @@
 
 #include <distrpc/rpc.hpp>
 #include <distrpc/torch_compat.hpp>
+#ifdef DISTRPC_HAVE_CUDART
+#include <distrpc/transport/cuda_ipc.hpp>
+#include <distrpc/transport/tcp.hpp>
+#endif
 
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"
@@ -292,6 +296,34 @@ DISTRPC_MP_TARGET("devices target: the map {0: 1, 1: 0} swaps GPUs (2 GPUs)") {
   distrpc::shutdown();
 }
 
+namespace {
+
+// On worker0, everything queued on a stream of the pool, not the default one: the tensor sent is
+// still being made when 20 calls go out, the results are read on that stream, and a nested call
+// (worker1 calls back into worker0) sees finished values too. Returns the tensor sent.
+at::Tensor side_stream_calls(const c10::Device& gpu) {
+  const c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
+  const c10::StreamGuard on(cuda.getStreamFromGlobalPool(gpu));
+  constexpr std::int64_t n = 2048;
+  const at::Tensor x = devmap_test::devmap_slow_plus(
+      at::remainder(at::arange(n * n, at::kFloat), 7).view({n, n}).to(gpu), 0);
+  std::vector<distrpc::Future<at::Tensor>> calls;
+  for (int k = 0; k < 20; ++k) {
+    calls.push_back(distrpc::rpc_async<&devmap_test::devmap_slow_plus>("worker1", x, k));
+  }
+  for (int k = 0; k < 20; ++k) {
+    const at::Tensor r = calls[static_cast<std::size_t>(k)].value();
+    CHECK(r.device() == gpu);
+    CHECK(at::equal(r, x + k));
+  }
+  const at::Tensor nested = distrpc::rpc_sync<&devmap_test::devmap_nested_plus>("worker1", x, 5);
+  CHECK(nested.device() == gpu);
+  CHECK(at::equal(nested, x + 6));
+  return x;
+}
+
+}  // namespace
+
 DISTRPC_MP_TARGET(
     "devices target: a caller's side stream, 20 calls in flight and a nested call see finished "
     "results (1 GPU)") {
@@ -299,31 +331,46 @@ DISTRPC_MP_TARGET(
   RpcBackendOptions o;
   o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
   init_at(ctx, "gpu-streams", o);
-  if (ctx.rank == 0) {
-    const c10::Device gpu(c10::kCUDA, 0);
-    // Everything below is queued on a stream of the pool, not the default one: the tensor sent
-    // is still being made when the calls go out, and the results are read on that stream.
-    const c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
-    const c10::StreamGuard on(cuda.getStreamFromGlobalPool(gpu));
-    constexpr std::int64_t n = 2048;
-    const at::Tensor x = devmap_test::devmap_slow_plus(
-        at::remainder(at::arange(n * n, at::kFloat), 7).view({n, n}).to(gpu), 0);
-    std::vector<distrpc::Future<at::Tensor>> calls;
-    for (int k = 0; k < 20; ++k) {
-      calls.push_back(distrpc::rpc_async<&devmap_test::devmap_slow_plus>("worker1", x, k));
-    }
-    for (int k = 0; k < 20; ++k) {
-      const at::Tensor r = calls[static_cast<std::size_t>(k)].value();
-      CHECK(r.device() == gpu);
-      CHECK(at::equal(r, x + k));
-    }
-    const at::Tensor nested = distrpc::rpc_sync<&devmap_test::devmap_nested_plus>("worker1", x, 5);
-    CHECK(nested.device() == gpu);
-    CHECK(at::equal(nested, x + 6));
-  }
+  if (ctx.rank == 0) side_stream_calls(c10::Device(c10::kCUDA, 0));
   distrpc::barrier();
   distrpc::shutdown();
 }
+
+#ifdef DISTRPC_HAVE_CUDART
+DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)") {
+  using Policy = distrpc::transport::CudaIpc<distrpc::transport::Tcp>;
+  RpcBackendOptions o;
+  o.init_method = distrpc::testing::file_url(ctx, "cuda-ipc");
+  o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
+  distrpc::init_rpc<Policy>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  auto agent = std::dynamic_pointer_cast<distrpc::Agent<Policy>>(distrpc::detail::current_agent());
+  REQUIRE(agent);
+  CHECK(agent->context().reaches(1 - ctx.rank));
+  if (ctx.rank == 0) {
+    const c10::Device gpu(c10::kCUDA, 0);
+    // Each callee's copy waits for the event recorded on the caller's side stream.
+    const at::Tensor x = side_stream_calls(gpu);
+    // 64 MiB, a transposed view (its span travels), bools, and a CPU tensor beside them.
+    const at::Tensor big = at::arange(16 << 20, at::TensorOptions().dtype(at::kFloat).device(gpu));
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", big), big));
+    const at::Tensor t = x.t();
+    const at::Tensor back = distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", t);
+    CHECK(back.strides() == t.strides());
+    CHECK(at::equal(back, t));
+    const at::Tensor flags = x.gt(3);
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", flags), flags));
+    CHECK(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", at::ones({3})).is_cpu());
+    const auto s = agent->context().stats();
+    CHECK(s.exported >= 24);  // every CUDA argument went through the channel
+    CHECK(s.imported >= 24);  // and every CUDA result came back through it
+    CHECK(s.staged == 0);
+    CHECK(s.failed == 0);
+  }
+  distrpc::barrier();
+  CHECK(distrpc::testing::eventually([&] { return agent->context().stats().lent == 0; }));
+  distrpc::shutdown();
+}
+#endif
 
 namespace {
 void run_on_gpus(const char* target, int gpus) {
@@ -354,6 +401,13 @@ TEST_CASE(
       "results (1 GPU)",
       1);
 }
+
+#ifdef DISTRPC_HAVE_CUDART
+TEST_CASE("devices: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1);
+}
+#endif
 
 TEST_CASE("devices: the map {0: 1, 1: 0} swaps GPUs (needs 2 GPUs)") {
   if (!on_tcp()) return;

@@ -38,6 +38,7 @@
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/message.hpp"
 #include "multiprocess.hpp"
+#include "support/host_channel.hpp"
 #include "support/transport_test_util.hpp"
 
 namespace {
@@ -47,6 +48,9 @@ using distrpc::transport::Shm;
 using distrpc::transport::Tcp;
 using AutoShmTcp = distrpc::transport::Auto<Shm, Tcp>;
 using FaultyTcp = distrpc::transport::Faulty<Tcp>;
+// DeviceDirect over Tcp with the host-memory stand-in channel: every buffer of 64 bytes or more
+// travels through the channel, so each scenario also checks that the decorator keeps the contract.
+using DirectTcp = distrpc::testing::HostDirect<Tcp>;
 
 // What differs between the policies where the contract leaves a choice.
 template <class P>
@@ -83,6 +87,8 @@ struct Traits<AutoShmTcp> {
 
 template <>
 struct Traits<FaultyTcp> : Traits<Tcp> {};
+template <>
+struct Traits<DirectTcp> : Traits<Tcp> {};
 
 using distrpc::testing::check_still_works;
 
@@ -339,7 +345,8 @@ void nothing_listens_scenario() {
   const auto took = Clock::now() - t0;
   CHECK(contains(text, "worker 3 ('ghost')"));
   CHECK(contains(text, "600 ms"));
-  if constexpr (std::is_same_v<P, Tcp> || std::is_same_v<P, FaultyTcp>)
+  if constexpr (std::is_same_v<P, Tcp> || std::is_same_v<P, FaultyTcp> ||
+                std::is_same_v<P, DirectTcp>)
     CHECK(contains(text, ghost));
   CHECK(took >= 500ms);  // it retried until the deadline...
   CHECK(took < 1600ms);  // ...and not much longer
@@ -716,18 +723,21 @@ void blocked_stream_scenario() {
 }  // namespace
 
 // One TEST_CASE per policy for a scenario template.
-#define DISTRPC_CONFORMANCE(what, scenario)                  \
-  TEST_CASE("transport conformance Tcp: " what) {            \
-    scenario<Tcp>();                                         \
-  }                                                          \
-  TEST_CASE("transport conformance Shm: " what) {            \
-    scenario<Shm>();                                         \
-  }                                                          \
-  TEST_CASE("transport conformance Auto<Shm, Tcp>: " what) { \
-    scenario<AutoShmTcp>();                                  \
-  }                                                          \
-  TEST_CASE("transport conformance Faulty<Tcp>: " what) {    \
-    scenario<FaultyTcp>();                                   \
+#define DISTRPC_CONFORMANCE(what, scenario)                     \
+  TEST_CASE("transport conformance Tcp: " what) {               \
+    scenario<Tcp>();                                            \
+  }                                                             \
+  TEST_CASE("transport conformance Shm: " what) {               \
+    scenario<Shm>();                                            \
+  }                                                             \
+  TEST_CASE("transport conformance Auto<Shm, Tcp>: " what) {    \
+    scenario<AutoShmTcp>();                                     \
+  }                                                             \
+  TEST_CASE("transport conformance Faulty<Tcp>: " what) {       \
+    scenario<FaultyTcp>();                                      \
+  }                                                             \
+  TEST_CASE("transport conformance DeviceDirect<Tcp>: " what) { \
+    scenario<DirectTcp>();                                      \
   }
 
 // One multi-process test per policy, each rank running body<Policy>(ctx).

@@ -655,6 +655,13 @@ TEST_CASE("wire: frame limits and malformed headers are protocol errors naming t
               "frame message type 200 is unknown");
   CHECK_ERROR(wire::ProtocolError, wire::decode_frame_header(with(6, 0, 1)),
               "frame message type 0 is unknown");
+  // The transport range (a decorator policy's own kinds) ends at 143.
+  CHECK_ERROR(wire::ProtocolError, wire::decode_frame_header(with(6, 144, 1)),
+              "frame message type 144 is unknown (accepted: 1-4, the control range 16-127 and the "
+              "transport range 128-143)");
+  CHECK(wire::decode_frame_header(with(6, 128, 1)).type == wire::MessageType::kFirstTransport);
+  CHECK(wire::decode_frame_header(with(6, 143, 1)).type == wire::MessageType::kLastTransport);
+  CHECK(wire::to_string(wire::transport_message_type(1)) == "Transport+1");
   CHECK_ERROR(wire::ProtocolError, wire::decode_frame_header(with(7, 1, 1)), "frame flags 1");
   CHECK_ERROR(wire::ProtocolError, wire::decode_frame_header(with(28, 5, 4)),
               "frame reserved field 5 must be 0");

@@ -117,6 +117,8 @@ class RpcAgent : public AgentServices,
   const Registry& registry() const { return *registry_; }
   const RpcBackendOptions& options() const { return options_; }
   virtual std::string transport_name() const = 0;
+  // The policy moves device memory itself: device tensors are encoded without a CPU copy.
+  virtual bool transport_carries_device_buffers() const { return false; }
 
   WorkerInfo worker(const std::string& name) const { return members_.worker(name); }
   WorkerInfo worker(int id) const { return members_.worker(id); }
@@ -238,6 +240,7 @@ class RpcAgent : public AgentServices,
                                    const DeviceMap* device_map = nullptr) {
     const auto route = device_routes_.request(dst, device_map, members_);
     wire::DeviceRouteScope in_route(&route);
+    wire::DeviceBuffersScope on_device(transport_carries_device_buffers());
     std::vector<std::function<void()>> undo;
     encode_in_layers(0, dst, sent, encode, undo);
     if (undo.empty()) return {};
@@ -255,6 +258,7 @@ class RpcAgent : public AgentServices,
   void encode_reply(int peer, const CallAttachments& got, FunctionRef<void()> encode) {
     const auto route = device_routes_.response(peer, members_);
     wire::DeviceRouteScope in_route(&route);
+    wire::DeviceBuffersScope on_device(transport_carries_device_buffers());
     encode_reply_in_layers(0, peer, got, encode);
   }
 
@@ -1080,6 +1084,9 @@ class Agent final : public RpcAgent {
   }
 
   std::string transport_name() const override { return std::string(T::name); }
+  bool transport_carries_device_buffers() const override {
+    return transport::carries_device_buffers<T>();
+  }
   void transport_drive(const std::function<bool()>& done,
                        std::chrono::steady_clock::time_point until) override {
     if constexpr (transport::has_drive<typename T::Context>) {

@@ -30,6 +30,19 @@ namespace distrpc {
 // are abandoned (detached). RpcBackendOptions::shutdown_grace defaults to it.
 inline constexpr std::chrono::milliseconds kDefaultShutdownGrace{2000};
 
+// Joins `t`, unless this is `t` itself (a stop called from inside one of the owner's callbacks,
+// which ran on that thread): a thread cannot join itself, so it is detached, and it must touch
+// nothing of its owner once it returns there. Returns whether it was detached.
+inline bool join_or_detach(std::thread& t) {
+  if (!t.joinable()) return false;
+  if (t.get_id() == std::this_thread::get_id()) {
+    t.detach();
+    return true;
+  }
+  t.join();
+  return false;
+}
+
 class BoundedThread {
   struct State {
     std::mutex mu;

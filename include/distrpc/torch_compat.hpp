@@ -8,6 +8,8 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/Device.h>
 
+#include <optional>
+
 #include "distrpc/device_map.hpp"
 
 namespace distrpc::compat {
@@ -52,6 +54,19 @@ void for_each_tensor_hook(N& node, LeafHooks&& leaf_hooks, F&& f) {
     for (const auto& h : *hooks) f(*h);
   } else {
     for (const auto& h : node.pre_hooks()) f(*h);
+  }
+}
+
+// The runtime's handle of a device stream (a cudaStream_t for CUDA; null is the legacy default
+// stream), or nothing where this libtorch cannot name it: 2.x has Stream::native_handle, 1.13 no
+// device-generic way (and no CUDA build of 1.13 is supported here). `S` is c10::Stream (a
+// template, for the member's absence in 1.13).
+template <class S>
+std::optional<void*> native_stream(const S& s) {
+  if constexpr (requires { s.native_handle(); }) {
+    return s.native_handle();
+  } else {
+    return std::nullopt;
   }
 }
 

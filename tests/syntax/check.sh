@@ -28,14 +28,15 @@ trap 'rm -rf "$out_dir"' EXIT
 common=(-std=c++20 -D_FILE_OFFSET_BITS=64 -D_GLIBCXX_USE_CXX11_ABI=1 -DASIO_STANDALONE
         -DASIO_NO_DEPRECATED -pthread -I"$repo/include" -I"$repo/transports/tcp/include"
         -I"$repo/transports/shm/include" -I"$repo/transports/faulty/include"
-        -I"$repo/examples" -isystem /usr/include/torch/csrc/api/include -fsyntax-only)
+        -I"$repo/transports/device/include" -I"$repo/examples" -isystem /usr/include/torch/csrc/api/include -fsyntax-only)
 [ -f /usr/include/gloo/context.h ] && common+=(-DUSE_C10D_GLOO)
-# NCCL's switch and headers where Meson's default -Dnvidia_dir has them (bench_nccl needs them;
-# without them that example is left out here, as Meson leaves it out of the build).
+# NCCL's and the CUDA runtime's switches and headers where Meson's default -Dnvidia_dir has them
+# (bench_nccl and bench_rpc's cuda_ipc need them; without them those parts are left out here, as
+# Meson leaves them out of the build).
 nccl_inc=/usr/local/cuda/include
 have_nccl=0
 if [ -f "$nccl_inc/nccl.h" ] && [ -f "$nccl_inc/cuda_runtime_api.h" ]; then
-  common+=(-DDISTRPC_HAVE_NCCL -isystem "$nccl_inc")
+  common+=(-DDISTRPC_HAVE_NCCL -DDISTRPC_HAVE_CUDART -isystem "$nccl_inc")
   have_nccl=1
 fi
 

@@ -22,6 +22,10 @@
 #include "distrpc/store.hpp"
 #include "distrpc/store/rendezvous.hpp"
 #include "distrpc/transport/auto.hpp"
+#ifdef DISTRPC_HAVE_CUDART  // the CUDA runtime found (Meson: distrpc_cuda_ipc_dep)
+#include "distrpc/transport/cuda_ipc.hpp"
+#endif
+#include "distrpc/transport/device_direct.hpp"
 #include "distrpc/transport/faulty.hpp"
 #include "distrpc/transport/shm.hpp"
 #include "distrpc/transport/tcp.hpp"

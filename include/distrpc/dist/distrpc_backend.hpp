@@ -52,6 +52,7 @@
 
 #include <ATen/ATen.h>
 
+#include <distrpc/bounded_thread.hpp>
 #include <distrpc/dist/backend.hpp>
 #include <distrpc/dist/backend_config.hpp>
 #include <distrpc/dist/reduce_op.hpp>
@@ -601,26 +602,19 @@ class DistrpcBackend final : public Backend {
     cv_.notify_all();
     p2p_cv_.notify_all();
     // The watchdog completes Works (user callbacks may run on it): detached if this is it.
-    if (watchdog.joinable()) {
-      if (watchdog.get_id() == std::this_thread::get_id()) {
-        left_->store(std::this_thread::get_id(), std::memory_order_release);
-        watchdog.detach();
-      } else {
-        watchdog.join();
-      }
+    if (watchdog.joinable() && watchdog.get_id() == std::this_thread::get_id()) {
+      left_->store(std::this_thread::get_id(), std::memory_order_release);
     }
+    join_or_detach(watchdog);
     // The transport first: a thread blocked in send() (back-pressure) returns with an error.
     ctx_->shutdown();
     // A Work callback that shuts the backend down runs on one of these threads: it cannot join
     // itself, so that one is detached and returns to its loop, which sees stopping_ and exits.
     for (std::thread* t : {&executor_, &p2p_thread_}) {
-      if (!t->joinable()) continue;
-      if (t->get_id() == std::this_thread::get_id()) {
+      if (t->joinable() && t->get_id() == std::this_thread::get_id()) {
         left_->store(std::this_thread::get_id(), std::memory_order_release);
-        t->detach();
-      } else {
-        t->join();
       }
+      join_or_detach(*t);
     }
   }
 

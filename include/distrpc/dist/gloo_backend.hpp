@@ -61,6 +61,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <distrpc/bounded_thread.hpp>
 #include <distrpc/dist/backend.hpp>
 #include <distrpc/dist/backend_config.hpp>
 #include <distrpc/dist/detail/c10d_store_adapter.hpp>
@@ -605,14 +606,6 @@ class GlooBackend : public Backend {
     // A Work callback runs on the watchdog or a waiter thread; one that drops the backend's last
     // reference runs this shutdown there, and a thread cannot join itself: that one is detached
     // (it touches only the shared state and its own captures, never the backend).
-    const auto join_or_detach = [](std::thread& t) {
-      if (!t.joinable()) return;
-      if (t.get_id() == std::this_thread::get_id()) {
-        t.detach();
-      } else {
-        t.join();
-      }
-    };
     join_or_detach(watchdog);
     for (auto& w : waiters) {
       if (!w.done->load(std::memory_order_acquire)) {

@@ -79,6 +79,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <distrpc/bounded_thread.hpp>
 #include <distrpc/dist/backend.hpp>
 #include <distrpc/dist/backend_config.hpp>
 #include <distrpc/dist/reduce_op.hpp>
@@ -449,15 +450,9 @@ class NcclBackend : public Backend {
       }
       state_->cv.notify_all();
     }
-    if (completer_.joinable()) {
-      // From one of the backend's own callbacks (which dropped the last reference): that thread
-      // touches nothing of this object once it sees `stopping`, so it is left to end by itself.
-      if (completer_.get_id() == std::this_thread::get_id()) {
-        completer_.detach();
-      } else {
-        completer_.join();
-      }
-    }
+    // From one of the backend's own callbacks (which dropped the last reference): that thread
+    // touches nothing of this object once it sees `stopping`, so it is left to end by itself.
+    join_or_detach(completer_);
     {
       // Aborted rather than destroyed: destroying waits for the peers, which may be gone.
       std::lock_guard issue(issue_mu_);
@@ -658,17 +653,12 @@ class NcclBackend : public Backend {
     return res != ncclSuccess ? res : ncclRecv(in.data_ptr(), count(in), type, r, comm_, s);
   }
 
-  // The CUDA stream behind a c10 stream. libtorch 2.x names it (Stream::native_handle); 1.13 has
-  // no device-generic way, and no CUDA build of it is supported here.
-  template <class S>
-  static cudaStream_t native(const S& s) {
-    if constexpr (requires { s.native_handle(); }) {
-      return static_cast<cudaStream_t>(s.native_handle());
-    } else {
-      throw DistBackendError(
-          "NcclBackend: this libtorch cannot name a CUDA stream's handle (Stream::native_handle, "
-          "libtorch 2.x)");
-    }
+  // The CUDA stream behind a c10 stream (compat::native_stream).
+  static cudaStream_t native(const c10::Stream& s) {
+    if (const auto h = compat::native_stream(s)) return static_cast<cudaStream_t>(*h);
+    throw DistBackendError(
+        "NcclBackend: this libtorch cannot name a CUDA stream's handle (Stream::native_handle, "
+        "libtorch 2.x)");
   }
 
   std::string nccl_error(const char* what, ncclResult_t r) const {

@@ -287,6 +287,19 @@ concept Transport =
       ctx.shutdown();
     };
 
+// Optional: `static constexpr bool carries_device_buffers = true;` for a policy whose send() takes
+// messages whose buffers lie in device (CUDA) memory and whose receiver may hand such buffers to
+// on_message (transport/device_direct.hpp). The agent then encodes device tensors without
+// staging them through the CPU (wire/device_buffers.hpp). Every other policy gets CPU buffers only.
+template <class P>
+constexpr bool carries_device_buffers() {
+  if constexpr (requires { P::carries_device_buffers; }) {
+    return P::carries_device_buffers;
+  } else {
+    return false;
+  }
+}
+
 // A Context with the optional bounded shutdown (above).
 template <class C>
 concept has_bounded_shutdown = requires(C& c, std::chrono::steady_clock::time_point deadline) {

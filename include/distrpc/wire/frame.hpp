@@ -215,8 +215,9 @@ class FrameDecoder {
     }
     const auto type = detail::get_le<std::uint8_t>(p + 6);
     if (!is_valid_message_type(type)) {
-      throw ProtocolError("frame message type " + std::to_string(type) +
-                          " is unknown (accepted: 1-4 and the control range 16-127)");
+      throw ProtocolError(
+          "frame message type " + std::to_string(type) +
+          " is unknown (accepted: 1-4, the control range 16-127 and the transport range 128-143)");
     }
     const auto flags = detail::get_le<std::uint8_t>(p + 7);
     if (flags != 0) {

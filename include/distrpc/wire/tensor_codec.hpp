@@ -7,6 +7,7 @@
 
 #include <distrpc/torch_compat.hpp>
 #include <distrpc/wire/archive.hpp>
+#include <distrpc/wire/device_buffers.hpp>
 #include <distrpc/wire/device_route.hpp>
 #include <distrpc/wire/tensor_observer.hpp>
 
@@ -21,6 +22,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 namespace distrpc::wire {
 
@@ -119,11 +122,16 @@ inline std::optional<std::int64_t> span_elements(c10::IntArrayRef sizes, c10::In
 // A kByte CPU tensor over bytes [byte_offset, byte_offset + nbytes) of `storage`, sharing it. Built
 // on a TensorImpl directly: this runs once per tensor per message, and the dispatcher would cost
 // more than the rest of the encoding.
+// The dispatch key of a strided tensor over storage on `d`: CPU, or CUDA for a device buffer.
+inline c10::DispatchKey storage_key(c10::Device d) {
+  return d.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
+}
+
 inline at::Tensor byte_view(const c10::Storage& storage, std::int64_t byte_offset,
                             std::int64_t nbytes) {
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
-                                                    c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                    caffe2::TypeMeta::Make<std::uint8_t>());
+  auto t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(storage_key(storage.device())),
+      caffe2::TypeMeta::Make<std::uint8_t>());
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const std::int64_t size[1] = {nbytes};
   impl->set_sizes_contiguous(size);
@@ -134,7 +142,8 @@ inline at::Tensor byte_view(const c10::Storage& storage, std::int64_t byte_offse
 // Body of a strided record (after the kind byte):
 //   u8 dtype | u8 flags | u8 device type | i8 device index | u8 ndim | i64 sizes[ndim] |
 //   i64 strides[ndim] | i64 storage offset (elements, into the buffer) | u32 buffer index
-// `src` is on the CPU; `target` is where the receiver puts it.
+// `src` is on the CPU, or on a CUDA device inside a DeviceBuffersScope; `target` is where the
+// receiver puts it.
 inline void write_strided_body(OutputArchive& ar, const at::Tensor& src, bool requires_grad,
                                c10::Device target) {
   // ZeroTensors (autograd's lazily materialised zeros) have no memory to point at.
@@ -198,6 +207,55 @@ inline c10::Device read_record_device(InputArchive& ar) {
               "index >= 0) tensors are supported");
 }
 
+// The storage of a tensor over a received CPU buffer `b` (its bytes from `byte_start`, `span`
+// elements of `item` bytes) and the tensor's offset in it: the buffer's own storage when aligned
+// for the dtype, else a copy.
+inline std::pair<c10::Storage, std::int64_t> host_storage(const at::Tensor& b,
+                                                          std::int64_t byte_start,
+                                                          std::int64_t span, std::int64_t item,
+                                                          at::ScalarType dtype) {
+  const char* base = static_cast<const char*>(b.storage().data());
+  if (dtype == at::kBool) {
+    // A bool byte other than 0 or 1 is undefined behaviour in every kernel that reads it.
+    const char* q = base + byte_start;
+    for (std::int64_t i = 0; i < span; ++i) {
+      if (static_cast<unsigned char>(q[i]) > 1) {
+        decode_fail("bool tensor holds byte " + std::to_string(static_cast<unsigned char>(q[i])) +
+                    " (only 0 and 1 are valid)");
+      }
+    }
+  }
+  if (byte_start % item == 0 && reinterpret_cast<std::uintptr_t>(base + byte_start) % item == 0) {
+    return {b.storage(), byte_start / item};
+  }
+  // A transport that packs buffers may hand over memory not aligned for this dtype: copy once.
+  const std::int64_t nbytes = span * item;
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
+                       /*resizable=*/true);
+  // data_ptr().get(): Storage::data() is const in libtorch 2.x.
+  std::memcpy(storage.data_ptr().get(), base + byte_start, static_cast<std::size_t>(nbytes));
+  return {std::move(storage), 0};
+}
+
+// The same over a device buffer (a policy that moves device memory handed it over): the
+// buffer's own storage, else a device copy. A bool tensor's bytes are checked on the device (one
+// reduction and a synchronization) as the host path checks them.
+inline std::pair<c10::Storage, std::int64_t> device_storage(const at::Tensor& b,
+                                                            std::int64_t byte_start,
+                                                            std::int64_t span, std::int64_t item,
+                                                            at::ScalarType dtype) {
+  const std::int64_t nbytes = span * item;
+  const at::Tensor bytes = b.narrow(0, byte_start - b.storage_offset(), nbytes);
+  if (dtype == at::kBool && bytes.gt(1).any().item<bool>()) {
+    decode_fail("bool tensor holds a byte other than 0 or 1 (only 0 and 1 are valid)");
+  }
+  const char* base = static_cast<const char*>(b.storage().data());
+  if (byte_start % item == 0 && reinterpret_cast<std::uintptr_t>(base + byte_start) % item == 0) {
+    return {b.storage(), byte_start / item};
+  }
+  return {bytes.clone().storage(), 0};
+}
+
 // Reads a strided record. Built over the received CPU bytes; moved to the recorded device when
 // `move` is set, else that device is left in `*device` (a sparse tensor's parts move as one).
 inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, bool move = true,
@@ -254,7 +312,8 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, 
 
   const auto item = static_cast<std::int64_t>(c10::elementSize(*dtype));
   const auto meta = c10::scalarTypeToTypeMeta(*dtype);
-  const auto keys = c10::DispatchKeySet(c10::DispatchKey::CPU);
+  // A device buffer (a policy that moves device memory handed it over) stays on its device.
+  auto keys = c10::DispatchKeySet(c10::DispatchKey::CPU);
   c10::Storage storage;
   std::int64_t storage_offset = 0;
   if (numel == 0) {
@@ -278,27 +337,11 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, 
                   std::to_string(buffer_index) + " of " + std::to_string(b.numel()) + " bytes");
     }
     const std::int64_t byte_start = b.storage_offset() + offset * item;
-    const char* base = static_cast<const char*>(b.storage().data());
-    if (*dtype == at::kBool) {
-      // A bool byte other than 0 or 1 is undefined behaviour in every kernel that reads it.
-      const char* q = base + byte_start;
-      for (std::int64_t i = 0; i < *span; ++i) {
-        if (static_cast<unsigned char>(q[i]) > 1) {
-          decode_fail("bool tensor holds byte " + std::to_string(static_cast<unsigned char>(q[i])) +
-                      " (only 0 and 1 are valid)");
-        }
-      }
-    }
-    if (byte_start % item == 0 && reinterpret_cast<std::uintptr_t>(base + byte_start) % item == 0) {
-      storage = b.storage();
-      storage_offset = byte_start / item;
+    if (b.device().is_cpu()) {
+      std::tie(storage, storage_offset) = host_storage(b, byte_start, *span, item, *dtype);
     } else {
-      // A transport that packs buffers may hand over memory not aligned for this dtype: copy once.
-      const std::int64_t nbytes = *span * item;
-      storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
-                             /*resizable=*/true);
-      // data_ptr().get(): Storage::data() is const in libtorch 2.x.
-      std::memcpy(storage.data_ptr().get(), base + byte_start, static_cast<std::size_t>(nbytes));
+      std::tie(storage, storage_offset) = device_storage(b, byte_start, *span, item, *dtype);
+      keys = c10::DispatchKeySet(storage_key(b.device()));
     }
   }
   auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, meta);
@@ -307,7 +350,7 @@ inline at::Tensor read_strided_body(InputArchive& ar, bool allow_requires_grad, 
   if ((flags & kFlagConj) != 0) impl->_set_conj(true);
   if ((flags & kFlagNeg) != 0) impl->_set_neg(true);
   // Moved before requires_grad is set: the tensor arrives as a leaf on its device.
-  if (move && !target.is_cpu()) t = t.to(target);
+  if (move && t.device() != target) t = t.to(target);
   if (requires_grad) t.set_requires_grad(true);
   return t;
 }
@@ -436,8 +479,11 @@ inline void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) {
   }
   detail::check_sendable(t);
   const c10::Device target = detail::target_device(t);
-  // The bytes travel from host memory: a device tensor is staged through a CPU copy.
-  const at::Tensor host = t.device().is_cpu() ? t : t.cpu();
+  // The bytes travel from host memory: a device tensor is staged through a CPU copy, unless the
+  // policy moves device memory itself (a strided CUDA tensor inside a DeviceBuffersScope).
+  const bool keep_on_device =
+      detail::tls_device_buffers && t.layout() == at::kStrided && t.device().is_cuda();
+  const at::Tensor host = t.device().is_cpu() || keep_on_device ? t : t.cpu();
   switch (t.layout()) {
     case at::kStrided:
       ar.write(static_cast<std::uint8_t>(detail::TensorKind::Strided));

@@ -20,7 +20,6 @@
 // its domain key T's, so it talks to plain T peers.
 #pragma once
 
-#include <array>
 #include <chrono>
 #include <concepts>
 #include <condition_variable>
@@ -38,8 +37,10 @@
 #include <thread>
 #include <utility>
 
+#include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
+#include "distrpc/transport/detail/decorated_name.hpp"
 #include "distrpc/transport/transport.hpp"
 #include "distrpc/wire/message.hpp"
 
@@ -86,21 +87,7 @@ struct FaultyStats {
 
 namespace detail {
 
-// "faulty(<T's name>)" as a constant, so Auto<Faulty<Shm>, Faulty<Tcp>> keeps distinct names.
-template <class T>
-struct FaultyName {
-  static constexpr std::string_view kPrefix = "faulty(";
-  static constexpr std::size_t kSize = kPrefix.size() + T::name.size() + 1;
-  static constexpr std::array<char, kSize> kChars = [] {
-    std::array<char, kSize> a{};
-    std::size_t i = 0;
-    for (char c : kPrefix) a[i++] = c;
-    for (char c : T::name) a[i++] = c;
-    a[i] = ')';
-    return a;
-  }();
-  static constexpr std::string_view value{kChars.data(), kSize};
-};
+inline constexpr std::string_view kFaultyName = "faulty";
 
 // A kind a Context can be asked to send: Request, Response, Exception or a control kind (the
 // Handshake is the transport's own frame, never passed to send()).
@@ -144,7 +131,9 @@ struct Faulty {
                 "Faulty<T, Faults>: Faults must provide `static FaultyOptions options();` or "
                 "`static FaultyOptions options(const TransportOptions&);`");
 
-  static constexpr std::string_view name = detail::FaultyName<T>::value;
+  static constexpr std::string_view name =
+      detail::DecoratedName<detail::kFaultyName, T::name>::value;
+  static constexpr bool carries_device_buffers = transport::carries_device_buffers<T>();
   static bool viable() { return T::viable(); }
   static std::string domain_key() { return T::domain_key(); }
 
@@ -219,13 +208,7 @@ struct Faulty {
       cv_.notify_all();
       // T first: a delayed send blocked in T (back-pressure) fails at once and the timer exits.
       const std::size_t abandoned = shutdown_until(*inner_, deadline);
-      if (timer_.joinable()) {
-        if (timer_.get_id() == std::this_thread::get_id()) {
-          timer_.detach();  // called from inside T's send on the timer: it exits on return
-        } else {
-          timer_.join();
-        }
-      }
+      join_or_detach(timer_);  // detached when called from inside T's send on the timer
       std::multimap<Clock::time_point, Pending> dropped;
       {
         std::lock_guard<std::mutex> lk(mu_);

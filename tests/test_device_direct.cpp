@@ -1,0 +1,314 @@
+// DeviceDirect<T, Channel> (transport/device_direct.hpp) without a GPU: the host-memory stand-in
+// channel (support/host_channel.hpp) takes the place of CUDA IPC, so the decorator's own protocol
+// runs here: which buffers go through the channel, the loans and their release, staging for an
+// unreachable peer or a refused export, a failed import, order per peer, a lost peer, the checks
+// of a Transfer's header, and an agent on top. The conformance suite runs the transport contract
+// on it too (test_transport_conformance.cpp); CudaIpc<Tcp> with real CUDA tensors is in
+// test_rpc_devices.cpp (needs a GPU).
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <distrpc/rpc.hpp>
+#include <distrpc/transport/device_direct.hpp>
+#include <distrpc/transport/tcp.hpp>
+
+#include "support/fresh_url.hpp"
+#include "support/host_channel.hpp"
+#include "support/rpc_test_util.hpp"
+#include "support/transport_test_util.hpp"
+
+namespace device_direct_test {
+
+at::Tensor twice(at::Tensor t) {
+  return t * 2;
+}
+
+}  // namespace device_direct_test
+
+namespace {
+
+using namespace distrpc::testing::transport_names;
+using distrpc::testing::eventually;
+using distrpc::testing::HostChannel;
+using distrpc::transport::DeviceDirectStats;
+using distrpc::transport::Tcp;
+using distrpc::wire::MessageType;
+using Direct = distrpc::testing::HostDirect<Tcp>;
+using DirectNode = NodeOf<Direct>;
+namespace dd = distrpc::transport::detail;
+
+DeviceDirectStats stats(DirectNode& n) {
+  return n.ctx->stats();
+}
+
+struct Reset {
+  Reset() { HostChannel::reset(); }
+  ~Reset() { HostChannel::reset(); }
+};
+
+}  // namespace
+
+TEST_CASE("DeviceDirect: large buffers go through the channel and every loan comes back") {
+  Reset reset;
+  DirectNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  CHECK(a.ctx->reaches(1));
+  CHECK(Direct::name == "host_channel(tcp)");
+  CHECK(distrpc::transport::carries_device_buffers<Direct>());
+  CHECK_FALSE(distrpc::transport::carries_device_buffers<Tcp>());
+
+  // A 1 MiB and a 100-byte buffer through the channel, a 10-byte one inline.
+  a.ctx->send(
+      1, make_message(MessageType::Request, 7, "p",
+                      {pattern_bytes(1 << 20, 1), pattern_bytes(10, 2), pattern_bytes(100, 3)}));
+  REQUIRE(b.inbox.wait_messages(1));
+  const auto m = b.inbox.take(0);
+  CHECK(m.type == MessageType::Request);
+  CHECK(m.id == 7);
+  CHECK(m.payload == "p");
+  REQUIRE(m.buffers.size() == 3);
+  CHECK(same_bytes(m.buffers[0], pattern_bytes(1 << 20, 1)));
+  CHECK(same_bytes(m.buffers[1], pattern_bytes(10, 2)));
+  CHECK(same_bytes(m.buffers[2], pattern_bytes(100, 3)));
+  CHECK(stats(a).exported == 2);
+  CHECK(stats(b).imported == 2);
+  CHECK(eventually([&] { return stats(a).lent == 0 && stats(a).released == 1; }));
+  CHECK(HostChannel::lent_now() == 0);
+  CHECK(HostChannel::knobs().imports_of_unlent == 0);
+
+  // A message without such buffers passes untouched: nothing lent.
+  a.ctx->send(1, make_message(MessageType::Response, 8, "small", {pattern_bytes(10, 4)}));
+  REQUIRE(b.inbox.wait_messages(2));
+  CHECK(b.inbox.take(1).id == 8);
+  CHECK(stats(a).exported == 2);
+}
+
+TEST_CASE("DeviceDirect: a peer's messages keep their order across channel and plain ones") {
+  Reset reset;
+  DirectNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  constexpr int kMessages = 300;
+  for (int i = 1; i <= kMessages; ++i) {
+    std::vector<at::Tensor> buffers;
+    if (i % 3 != 0) buffers.push_back(pattern_bytes(i % 2 == 0 ? 4096 : 8, i));
+    a.ctx->send(1, make_message(MessageType::Request, i, "m", std::move(buffers)));
+  }
+  REQUIRE(b.inbox.wait_messages(kMessages));
+  std::lock_guard<std::mutex> lk(b.inbox.mu);
+  for (int i = 1; i <= kMessages; ++i) {
+    const auto& m = b.inbox.messages[i - 1].second;
+    CHECK(m.id == static_cast<std::uint64_t>(i));
+    if (i % 3 != 0) CHECK(same_bytes(m.buffers.at(0), pattern_bytes(i % 2 == 0 ? 4096 : 8, i)));
+  }
+}
+
+TEST_CASE("DeviceDirect: an unreachable peer and a refused export get a CPU copy instead") {
+  Reset reset;
+  SUBCASE("the channel does not reach the peer") {
+    HostChannel::knobs().reach = false;
+    DirectNode a(0), b(1);
+    introduce(a, 0, b, 1);
+    CHECK_FALSE(a.ctx->reaches(1));
+    a.ctx->send(1, make_message(MessageType::Request, 1, "x", {pattern_bytes(5000, 9)}));
+    REQUIRE(b.inbox.wait_messages(1));
+    CHECK(same_bytes(b.inbox.take(0).buffers.at(0), pattern_bytes(5000, 9)));
+    CHECK(stats(a).exported == 0);
+    CHECK(stats(a).staged == 1);
+    CHECK(stats(b).imported == 0);
+  }
+  SUBCASE("the channel refuses one of two exports") {
+    DirectNode a(0), b(1);
+    introduce(a, 0, b, 1);
+    HostChannel::knobs().failing_exports = 1;
+    a.ctx->send(1, make_message(MessageType::Request, 1, "x",
+                                {pattern_bytes(5000, 1), pattern_bytes(6000, 2)}));
+    REQUIRE(b.inbox.wait_messages(1));
+    const auto m = b.inbox.take(0);
+    CHECK(same_bytes(m.buffers.at(0), pattern_bytes(5000, 1)));
+    CHECK(same_bytes(m.buffers.at(1), pattern_bytes(6000, 2)));
+    CHECK(stats(a).staged == 1);
+    CHECK(stats(a).exported == 1);
+    CHECK(stats(b).imported == 1);
+    CHECK(eventually([&] { return stats(a).lent == 0; }));
+  }
+}
+
+TEST_CASE("DeviceDirect: a failed import leaves the buffer empty, logs why, and the loan returns") {
+  Reset reset;
+  LogLines log;
+  DirectNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  HostChannel::knobs().failing_imports = 1;
+  a.ctx->send(1, make_message(MessageType::Request, 3, "x",
+                              {pattern_bytes(5000, 1), pattern_bytes(7000, 2)}));
+  REQUIRE(b.inbox.wait_messages(1));
+  const auto m = b.inbox.take(0);
+  CHECK(m.type == MessageType::Request);
+  REQUIRE(m.buffers.size() == 2);
+  CHECK(m.buffers[0].numel() == 0);  // the decoder then fails the call, naming the buffer
+  CHECK(same_bytes(m.buffers[1], pattern_bytes(7000, 2)));
+  CHECK(stats(b).failed == 1);
+  CHECK(stats(b).imported == 1);
+  CHECK(contains(log.wait_for("could not be imported"),
+                 "device buffer 0 of 5000 bytes from worker 0 could not be imported through "
+                 "host_channel (the message's decoder will refuse it): host_channel: import "
+                 "refused (test)"));
+  CHECK(eventually([&] { return stats(a).lent == 0 && stats(a).released == 1; }));
+  check_still_works(a, b, 99);
+}
+
+TEST_CASE("DeviceDirect: a Transfer on the wire, and a lost peer's loans kept until it is back") {
+  Reset reset;
+  // `b` is a plain Tcp node that says it is reached by the channel: it receives the Transfer as
+  // it is and never releases the loan.
+  DirectNode a(0);
+  auto b = std::make_unique<NodeOf<Tcp>>(1);
+  a.ctx->add_peer(
+      1, "w1",
+      b->ctx->address() + std::string(dd::kAddressMark) + "pid=" + std::to_string(::getpid()));
+  b->ctx->add_peer(0, "w0", a.ctx->address().substr(0, a.ctx->address().rfind(dd::kAddressMark)));
+  a.ctx->send(1, make_message(MessageType::Response, 5, "r", {pattern_bytes(3000, 4)}));
+  REQUIRE(b->inbox.wait_messages(1));
+  const auto raw = b->inbox.take(0);
+  CHECK(raw.type == dd::kTransfer);
+  CHECK(raw.id == 5);
+  REQUIRE(raw.buffers.size() == 2);
+  CHECK(raw.buffers[0].numel() == 0);
+  const auto h = dd::decode_transfer_header(raw.buffers[1], 1, 0);
+  CHECK(h.kind == MessageType::Response);
+  REQUIRE(h.entries.size() == 1);
+  CHECK(h.entries[0].index == 0);
+  CHECK(h.entries[0].nbytes == 3000);
+  CHECK(stats(a).lent == 1);
+  CHECK(HostChannel::lent_now() == 1);
+
+  // The peer goes: the channel forgets it, and its loan is kept (a receiver that read the
+  // Transfer before the break may still be copying) until worker 1 is registered again.
+  b.reset();
+  REQUIRE(a.inbox.wait_lost(1));
+  CHECK(a.inbox.lost.at(0).first == 1);
+  CHECK(stats(a).lent == 0);
+  CHECK(stats(a).orphaned == 1);
+  CHECK(stats(a).released == 0);
+  CHECK(HostChannel::knobs().forgotten == 1);
+  CHECK(HostChannel::lent_now() == 1);
+  NodeOf<Tcp> again(1);
+  a.ctx->add_peer(1, "w1", again.ctx->address());
+  CHECK(HostChannel::lent_now() == 0);
+}
+
+TEST_CASE("DeviceDirect: a forged Transfer is dropped with a log, the connection stays") {
+  Reset reset;
+  LogLines log;
+  DirectNode a(0);
+  NodeOf<Tcp> b(1);
+  a.ctx->add_peer(1, "w1", b.ctx->address());
+  b.ctx->add_peer(0, "w0", a.ctx->address().substr(0, a.ctx->address().rfind(dd::kAddressMark)));
+  const at::Tensor junk = at::full({12}, 9, at::kByte);  // version 9
+  b.ctx->send(0, make_message(dd::kTransfer, 1, "", {at::empty({0}, at::kByte), junk}));
+  CHECK(contains(log.wait_for("dropping a message from worker 1"),
+                 "dropping a message from worker 1: device transfer header: unknown version"));
+  b.ctx->send(0, make_message(MessageType::Request, 2, "after"));
+  REQUIRE(a.inbox.wait_messages(1));
+  CHECK(a.inbox.take(0).id == 2);
+}
+
+TEST_CASE("DeviceDirect: every field of a Transfer's header is checked") {
+  const auto header = [](dd::TransferHeader h) { return dd::encode_transfer_header(h); };
+  const auto text = [](const at::Tensor& b, std::size_t buffers, std::int64_t max = 0) {
+    try {
+      (void)dd::decode_transfer_header(b, buffers, max);
+    } catch (const distrpc::DistNetworkError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  dd::TransferHeader ok;
+  ok.kind = MessageType::Request;
+  ok.loan = 42;
+  ok.entries = {{0, 100, "abc"}, {2, 50, ""}};
+  const auto round = dd::decode_transfer_header(header(ok), 3, 0);
+  CHECK(round.loan == 42);
+  CHECK(round.entries.at(0).descriptor == "abc");
+  CHECK(round.entries.at(1).index == 2);
+
+  const at::Tensor good = header(ok);
+  CHECK(text(good.narrow(0, 0, good.numel() - 1), 3) ==
+        "device transfer header: truncated at byte 45 of 48");
+  dd::TransferHeader one = ok;
+  one.entries = {{0, 100, "abc"}};
+  const at::Tensor single = header(one);
+  CHECK(text(single.narrow(0, 0, single.numel() - 1), 3) ==
+        "device transfer header: descriptor of 3 bytes is truncated");
+  CHECK(text(good.narrow(0, 0, 10), 3) == "device transfer header: truncated at byte 6 of 10");
+  at::Tensor v = good.clone();
+  v.data_ptr<std::uint8_t>()[0] = 9;
+  CHECK(text(v, 3) == "device transfer header: unknown version 9");
+  auto bad = ok;
+  bad.kind = MessageType::Handshake;
+  CHECK(text(header(bad), 3) ==
+        "device transfer header: message kind 1 cannot carry device buffers");
+  bad = ok;
+  bad.kind = dd::kTransfer;
+  CHECK(text(header(bad), 3) ==
+        "device transfer header: message kind 128 cannot carry device buffers");
+  CHECK(text(good, 1) ==
+        "device transfer header: 2 device buffers named in a message of 1 buffers");
+  bad = ok;
+  bad.entries = {};
+  CHECK(text(header(bad), 3) ==
+        "device transfer header: 0 device buffers named in a message of 3 buffers");
+  bad = ok;
+  bad.entries[1].index = 0;
+  CHECK(text(header(bad), 3) ==
+        "device transfer header: device buffer index 0 is out of range or repeated");
+  bad.entries[1].index = 3;
+  CHECK(text(header(bad), 3) ==
+        "device transfer header: device buffer index 3 is out of range or repeated");
+  bad = ok;
+  bad.entries[0].nbytes = 0;
+  CHECK(text(header(bad), 3) == "device transfer header: device buffer of 0 bytes (limit 0)");
+  CHECK(text(good, 3, 99) == "device transfer header: device buffer of 100 bytes (limit 99)");
+  at::Tensor longer = at::cat({good, at::zeros({2}, at::kByte)});
+  CHECK(text(longer, 3) == "device transfer header: 2 trailing bytes");
+}
+
+TEST_CASE("DeviceDirect: agents call each other over it, tensors through the channel") {
+  Reset reset;
+  auto registry = std::make_shared<distrpc::Registry>();
+  registry->add<&device_direct_test::twice>();
+  distrpc::RpcBackendOptions o;
+  o.init_method = distrpc::testing::fresh_file_url("direct");
+  o.rpc_timeout = 20s;
+  o.init_timeout = 20s;
+  auto ps = std::async(std::launch::async,
+                       [&] { return distrpc::RpcGroup::join<Direct>("ps", 0, 2, o, registry); });
+  auto trainer = distrpc::RpcGroup::join<Direct>("trainer", 1, 2, o, registry);
+  REQUIRE(ps.wait_for(30s) == std::future_status::ready);
+  auto server = ps.get();
+
+  const at::Tensor x = at::arange(1 << 16, at::kFloat);  // 256 KiB: through the channel
+  const at::Tensor y = trainer.rpc_sync<&device_direct_test::twice>("ps", x);
+  CHECK(at::equal(y, x * 2));
+  auto agent = std::dynamic_pointer_cast<distrpc::Agent<Direct>>(trainer.agent());
+  REQUIRE(agent);
+  CHECK(agent->context().stats().exported >= 1);  // the request's tensor
+  CHECK(agent->context().stats().imported >= 1);  // the reply's
+  CHECK(HostChannel::knobs().imports_of_unlent == 0);
+
+  auto f = std::async(std::launch::async, [&] { server.shutdown(); });
+  trainer.shutdown();
+  REQUIRE(f.wait_for(30s) == std::future_status::ready);
+  f.get();
+  CHECK(HostChannel::lent_now() == 0);
+}

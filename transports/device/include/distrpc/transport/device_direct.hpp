@@ -1,0 +1,547 @@
+// DeviceDirect<T, Channel>: a decorator policy that moves a message's device buffers (the bytes of
+// CUDA tensors) through a device channel while the message itself travels over the policy T it
+// wraps, so a GPU tensor never makes the round trip through host memory. `CudaIpc<T>`
+// (cuda_ipc.hpp) is this with CUDA IPC as the channel: processes on one host share the GPU's
+// memory directly.
+//
+// The agent encodes device tensors without a CPU copy for such a policy (carries_device_buffers,
+// wire/device_buffers.hpp). On send():
+//  - a message without device buffers goes to T as it is (nothing added, nothing slower);
+//  - to a peer the channel cannot reach (another host, or a peer without the channel), each device
+//    buffer is staged through a CPU copy, as every other policy does, and the receiver's decoder
+//    moves the tensor to its device;
+//  - else each device buffer is exported to the channel (a descriptor of a few dozen bytes, e.g. an
+//    IPC memory handle, an offset and an event recorded on the producing stream), its place in the
+//    message holds an empty CPU buffer, the descriptors ride in one more CPU buffer at the end, and
+//    the message goes to T as a `Transfer` (a transport message kind). The sender keeps the
+//    exported buffers alive (lent) until the receiver says it has its copies.
+// On receipt a `Transfer` goes to this Context's receiving thread, never handled on T's reading
+// thread: it imports each buffer (the channel copies the bytes into memory of its own on the
+// receiver's side, after the producer's event), puts the original message back together, hands it
+// to the agent, and sends a `Release` naming the loan back. A peer's messages keep their order:
+// while a Transfer from a peer is queued, that peer's other messages queue behind it.
+//
+// Failures: a descriptor the channel cannot import (a CUDA error) leaves that buffer empty and is
+// logged; the message still reaches the agent, whose decoder then fails the call at once (nothing
+// waits for a timeout). A lost peer's loans are kept until that worker is registered again
+// (add_peer) or the Context shuts down, not returned at once: a receiver that read the Transfer
+// before the connection broke may still be copying, and memory returned to the allocator could be
+// reused under it. What the channel opened for a lost peer is closed after its queued messages
+// were handed over.
+//
+// The Channel (what cuda_ipc.hpp's CudaIpcChannel provides; tests use a host-memory stand-in):
+//   static constexpr std::string_view name;
+//   explicit Channel(int self_id);
+//   std::string address() const;             what a peer needs to tell whether it reaches us
+//   bool reaches(const std::string& peer_address) const;
+//   bool carries(const at::Tensor& buffer) const;      this buffer travels through the channel
+//   Export export_buffer(const at::Tensor& buffer);    on the sending thread; Export{descriptor,
+//                                                      keep}: `keep` (and the buffer) stay alive
+//                                                      until the receiver releases the loan
+//   at::Tensor import_buffer(int peer, std::string_view descriptor, std::int64_t nbytes);
+//                                                      on the receiving thread: a buffer of
+//                                                      nbytes holding the bytes, ready to read
+//   void forget(int peer);                             the peer is gone: close what was opened
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "distrpc/bounded_thread.hpp"
+#include "distrpc/error.hpp"
+#include "distrpc/log.hpp"
+#include "distrpc/transport/detail/decorated_name.hpp"
+#include "distrpc/transport/transport.hpp"
+#include "distrpc/wire/message.hpp"
+
+namespace distrpc::transport {
+
+// What export_buffer() hands back: the descriptor the peer imports from, and whatever must stay
+// alive with the buffer until the peer released the loan (e.g. an event the peer waits on).
+struct ChannelExport {
+  std::string descriptor;
+  std::shared_ptr<void> keep;
+};
+
+// Counters of one Context, for tests and diagnostics.
+struct DeviceDirectStats {
+  std::uint64_t exported = 0;  // device buffers sent through the channel
+  std::uint64_t staged = 0;    // device buffers sent through a CPU copy (peer not reached)
+  std::uint64_t imported = 0;  // device buffers received through the channel
+  std::uint64_t failed = 0;    // device buffers that could not be imported (left empty)
+  std::uint64_t released = 0;  // loans the receivers returned
+  std::uint64_t lent = 0;      // loans not yet returned
+  std::uint64_t orphaned = 0;  // loans to peers lost meanwhile (kept until re-registration)
+};
+
+namespace detail {
+
+// The kinds this policy sends to its own peer (wire/message.hpp, the transport range).
+inline constexpr wire::MessageType kTransfer = wire::transport_message_type(0);
+inline constexpr wire::MessageType kRelease = wire::transport_message_type(1);
+
+// The last buffer of a Transfer (native byte order: the channel only reaches peers on this host):
+//   u8 version | u8 original kind | u32 count | u64 loan id |
+//   count x { u32 buffer index | i64 nbytes | u32 descriptor length | descriptor }
+struct TransferEntry {
+  std::uint32_t index = 0;
+  std::int64_t nbytes = 0;
+  std::string descriptor;
+};
+struct TransferHeader {
+  wire::MessageType kind = wire::MessageType::Request;
+  std::uint64_t loan = 0;
+  std::vector<TransferEntry> entries;
+};
+inline constexpr std::uint8_t kTransferVersion = 1;
+
+template <class V>
+void put_raw(std::string& out, V v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+inline at::Tensor encode_transfer_header(const TransferHeader& h) {
+  std::string out;
+  put_raw<std::uint8_t>(out, kTransferVersion);
+  put_raw<std::uint8_t>(out, static_cast<std::uint8_t>(h.kind));
+  put_raw<std::uint32_t>(out, static_cast<std::uint32_t>(h.entries.size()));
+  put_raw<std::uint64_t>(out, h.loan);
+  for (const auto& e : h.entries) {
+    put_raw<std::uint32_t>(out, e.index);
+    put_raw<std::int64_t>(out, e.nbytes);
+    put_raw<std::uint32_t>(out, static_cast<std::uint32_t>(e.descriptor.size()));
+    out += e.descriptor;
+  }
+  at::Tensor t = at::empty({static_cast<std::int64_t>(out.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), out.data(), out.size());
+  return t;
+}
+
+// Parses and checks the header a peer sent: every field is untrusted. `buffers` is the count of
+// the message's other buffers; `max_bytes` bounds a buffer (0: no bound).
+inline TransferHeader decode_transfer_header(const at::Tensor& b, std::size_t buffers,
+                                             std::int64_t max_bytes) {
+  const auto fail = [](const std::string& why) -> void {
+    throw DistNetworkError("device transfer header: " + why);
+  };
+  const char* p = static_cast<const char*>(b.data_ptr());
+  const std::size_t size = static_cast<std::size_t>(b.numel());
+  std::size_t at = 0;
+  const auto take = [&](void* dst, std::size_t n) {
+    if (size - at < n)
+      fail("truncated at byte " + std::to_string(at) + " of " + std::to_string(size));
+    std::memcpy(dst, p + at, n);
+    at += n;
+  };
+  std::uint8_t version = 0;
+  std::uint8_t kind = 0;
+  std::uint32_t count = 0;
+  TransferHeader h;
+  take(&version, 1);
+  if (version != kTransferVersion) fail("unknown version " + std::to_string(version));
+  take(&kind, 1);
+  const auto k = static_cast<wire::MessageType>(kind);
+  if (!wire::is_valid_message_type(kind) || k == wire::MessageType::Handshake ||
+      wire::is_transport_message_type(k)) {
+    fail("message kind " + std::to_string(kind) + " cannot carry device buffers");
+  }
+  h.kind = k;
+  take(&count, 4);
+  take(&h.loan, 8);
+  if (count == 0 || count > buffers) {
+    fail(std::to_string(count) + " device buffers named in a message of " +
+         std::to_string(buffers) + " buffers");
+  }
+  std::set<std::uint32_t> seen;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    TransferEntry e;
+    std::uint32_t len = 0;
+    take(&e.index, 4);
+    take(&e.nbytes, 8);
+    take(&len, 4);
+    if (e.index >= buffers || !seen.insert(e.index).second) {
+      fail("device buffer index " + std::to_string(e.index) + " is out of range or repeated");
+    }
+    if (e.nbytes <= 0 || (max_bytes > 0 && e.nbytes > max_bytes)) {
+      fail("device buffer of " + std::to_string(e.nbytes) + " bytes (limit " +
+           std::to_string(max_bytes) + ")");
+    }
+    if (size - at < len) fail("descriptor of " + std::to_string(len) + " bytes is truncated");
+    e.descriptor.assign(p + at, len);
+    at += len;
+    h.entries.push_back(std::move(e));
+  }
+  if (at != size) fail(std::to_string(size - at) + " trailing bytes");
+  return h;
+}
+
+inline constexpr std::string_view kAddressMark = "#device-channel:";
+
+}  // namespace detail
+
+template <class T, class Channel>
+struct DeviceDirect {
+  static_assert(check_transport<T>(), "DeviceDirect<T, Channel>: T must be a transport policy");
+
+  static constexpr std::string_view name =
+      transport::detail::DecoratedName<Channel::name, T::name>::value;
+  static constexpr bool carries_device_buffers = true;
+  static bool viable() { return T::viable(); }
+  static std::string domain_key() { return T::domain_key(); }
+
+  class Context {
+   public:
+    Context(const TransportOptions& options, TransportCallbacks callbacks)
+        : self_(options.self_id),
+          max_bytes_(static_cast<std::int64_t>(options.limits.max_message_bytes)),
+          channel_(options.self_id),
+          up_(std::move(callbacks)) {
+      TransportCallbacks mine;
+      mine.on_message = [this](int peer, wire::Message&& m) { received(peer, std::move(m)); };
+      mine.on_peer_lost = [this](int peer, const std::string& why) { lost(peer, why); };
+      receiver_ = std::thread([this] { run_receiver(); });
+      try {
+        inner_ = std::make_unique<typename T::Context>(options, std::move(mine));
+      } catch (...) {
+        stop_receiver();
+        throw;
+      }
+    }
+    ~Context() { shutdown(); }
+    Context(const Context&) = delete;
+    Context& operator=(const Context&) = delete;
+
+    // T's address, then the channel's (which the peer's reaches() judges).
+    std::string address() const {
+      return inner_->address() + std::string(detail::kAddressMark) + channel_.address();
+    }
+
+    // Registering a worker again returns the loans its previous incarnation left (see above).
+    void add_peer(int id, const std::string& peer_name, const std::string& address) {
+      const auto mark = address.rfind(detail::kAddressMark);
+      const bool reached = mark != std::string::npos &&
+                           channel_.reaches(address.substr(mark + detail::kAddressMark.size()));
+      inner_->add_peer(id, peer_name,
+                       mark == std::string::npos ? address : address.substr(0, mark));
+      std::map<std::uint64_t, Loan> returned;
+      std::lock_guard<std::mutex> lk(mu_);
+      reached_[id] = reached;
+      if (const auto it = orphaned_.find(id); it != orphaned_.end()) {
+        returned.swap(it->second);
+        orphaned_.erase(it);
+      }
+    }
+
+    // See the top of this file.
+    void send(int peer, wire::Message&& m) {
+      std::vector<std::uint32_t> on_device;
+      for (std::size_t i = 0; i < m.buffers.size(); ++i) {
+        if (m.buffers[i].defined() && channel_.carries(m.buffers[i])) {
+          on_device.push_back(static_cast<std::uint32_t>(i));
+        }
+      }
+      if (on_device.empty()) {
+        inner_->send(peer, std::move(m));
+        return;
+      }
+      // A message over T's size limit goes as T would send it, so T refuses it with its own
+      // text before anything is lent or written.
+      if (!reaches(peer) || over_limit(m)) {
+        for (const auto i : on_device) m.buffers[i] = m.buffers[i].cpu();
+        count(&DeviceDirectStats::staged, on_device.size());
+        inner_->send(peer, std::move(m));
+        return;
+      }
+      detail::TransferHeader h;
+      h.kind = m.type;
+      Loan loan;
+      std::uint64_t staged = 0;
+      for (const auto i : on_device) {
+        at::Tensor& b = m.buffers[i];
+        ChannelExport e;
+        try {
+          e = channel_.export_buffer(b);
+        } catch (const std::exception&) {
+          // Memory the channel cannot share (e.g. not from a plain device allocation): this
+          // buffer goes the way every policy sends it.
+          b = b.cpu();
+          ++staged;
+          continue;
+        }
+        h.entries.push_back({i, b.numel(), std::move(e.descriptor)});
+        loan.buffers.push_back(std::move(b));
+        loan.keep.push_back(std::move(e.keep));
+        b = at::empty({0}, at::kByte);
+      }
+      if (h.entries.empty()) {
+        count(&DeviceDirectStats::staged, staged);
+        inner_->send(peer, std::move(m));
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        h.loan = ++next_loan_;
+        loans_[peer].emplace(h.loan, std::move(loan));
+        stats_.exported += h.entries.size();
+        stats_.staged += staged;
+        ++stats_.lent;
+      }
+      m.buffers.push_back(detail::encode_transfer_header(h));
+      m.type = detail::kTransfer;
+      try {
+        inner_->send(peer, std::move(m));
+      } catch (...) {
+        return_loan(peer, h.loan, /*released=*/false);
+        throw;
+      }
+    }
+
+    // Idempotent. Loans still out are returned (their buffers freed once nothing else holds
+    // them); queued messages are dropped.
+    std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (shut_down_) return 0;
+        shut_down_ = true;
+        // The receiving thread takes nothing more (no import for a worker that is going away),
+        // and what T still delivers while it stops is dropped.
+        stopping_ = true;
+        queue_.clear();
+      }
+      cv_.notify_all();
+      const std::size_t abandoned = inner_ ? shutdown_until(*inner_, deadline) : 0;
+      stop_receiver();
+      std::map<int, std::map<std::uint64_t, Loan>> loans;
+      std::map<int, std::map<std::uint64_t, Loan>> orphaned;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        loans.swap(loans_);
+        orphaned.swap(orphaned_);
+        stats_.lent = 0;
+      }
+      return abandoned;
+    }
+    void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
+
+    void drive(
+        const std::function<bool()>& done,
+        std::chrono::steady_clock::time_point until) requires has_drive<typename T::Context> {
+      inner_->drive(done, until);
+    }
+
+    DeviceDirectStats stats() const {
+      std::lock_guard<std::mutex> lk(mu_);
+      return stats_;
+    }
+    // Whether the channel reaches worker `peer` (known once add_peer() ran).
+    bool reaches(int peer) const {
+      std::lock_guard<std::mutex> lk(mu_);
+      const auto it = reached_.find(peer);
+      return it != reached_.end() && it->second;
+    }
+    Channel& channel() { return channel_; }
+    typename T::Context& inner() { return *inner_; }
+
+   private:
+    struct Loan {
+      std::vector<at::Tensor> buffers;
+      std::vector<std::shared_ptr<void>> keep;
+    };
+    // One entry of the receiving thread's queue: a message, or the loss of its peer.
+    struct Item {
+      int peer;
+      wire::Message message;
+      std::optional<std::string> lost;
+    };
+
+    bool over_limit(const wire::Message& m) const {
+      if (max_bytes_ <= 0) return false;
+      std::int64_t total = static_cast<std::int64_t>(m.payload.size());
+      for (const auto& b : m.buffers) total += b.defined() ? b.numel() : 0;
+      return total > max_bytes_;
+    }
+
+    void count(std::uint64_t DeviceDirectStats::*field, std::uint64_t n) {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.*field += n;
+    }
+
+    // On T's reading thread: never imports here, only queues (see the top of this file).
+    void received(int peer, wire::Message&& m) {
+      if (m.type == detail::kRelease) {
+        return_loan(peer, m.id, /*released=*/true);
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stopping_) return;
+        if (m.type == detail::kTransfer || queued_[peer] > 0) {
+          ++queued_[peer];
+          queue_.push_back(Item{peer, std::move(m), std::nullopt});
+          cv_.notify_one();
+          return;
+        }
+      }
+      up_.on_message(peer, std::move(m));
+    }
+
+    void lost(int peer, const std::string& why) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stopping_) return;
+        if (const auto it = loans_.find(peer); it != loans_.end()) {
+          stats_.lent -= it->second.size();
+          stats_.orphaned += it->second.size();
+          auto& kept = orphaned_[peer];
+          kept.merge(it->second);
+          loans_.erase(it);
+        }
+        if (queued_[peer] > 0) {
+          ++queued_[peer];
+          queue_.push_back(Item{peer, wire::Message{}, why});
+          cv_.notify_one();
+          return;
+        }
+      }
+      channel_.forget(peer);
+      up_.on_peer_lost(peer, why);
+    }
+
+    void return_loan(int peer, std::uint64_t id, bool released) {
+      Loan gone;
+      std::lock_guard<std::mutex> lk(mu_);
+      const auto it = loans_.find(peer);
+      if (it == loans_.end()) return;
+      const auto loan = it->second.find(id);
+      if (loan == it->second.end()) return;
+      gone = std::move(loan->second);
+      it->second.erase(loan);
+      --stats_.lent;
+      if (released) ++stats_.released;
+    }
+
+    void run_receiver() {
+      mark_transport_thread();
+      std::unique_lock<std::mutex> lk(mu_);
+      for (;;) {
+        cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        Item item = std::move(queue_.front());
+        queue_.pop_front();
+        lk.unlock();
+        if (item.lost) {
+          channel_.forget(item.peer);
+          up_.on_peer_lost(item.peer, *item.lost);
+        } else {
+          deliver(item.peer, std::move(item.message));
+        }
+        lk.lock();
+        --queued_[item.peer];
+      }
+    }
+
+    // On the receiving thread: a Transfer is put back together (or a plain message that queued
+    // behind one passes as it is), handed to the agent, and its loan released.
+    void deliver(int peer, wire::Message&& m) {
+      if (m.type != detail::kTransfer) {
+        up_.on_message(peer, std::move(m));
+        return;
+      }
+      detail::TransferHeader h;
+      try {
+        if (m.buffers.empty()) throw DistNetworkError("device transfer without its header");
+        h = detail::decode_transfer_header(m.buffers.back(), m.buffers.size() - 1, max_bytes_);
+      } catch (const std::exception& e) {
+        // Nothing of it can be trusted, and the loan id neither: the message is dropped.
+        distrpc::detail::log_warning(
+            "worker " + std::to_string(self_),
+            "dropping a message from worker " + std::to_string(peer) + ": " + e.what());
+        return;
+      }
+      m.buffers.pop_back();
+      m.type = h.kind;
+      std::uint64_t imported = 0;
+      std::uint64_t failed = 0;
+      for (auto& e : h.entries) {
+        try {
+          at::Tensor b = channel_.import_buffer(peer, e.descriptor, e.nbytes);
+          if (b.numel() != e.nbytes) {
+            throw DistNetworkError("the channel gave " + std::to_string(b.numel()) + " bytes");
+          }
+          m.buffers[e.index] = std::move(b);
+          ++imported;
+        } catch (const std::exception& ex) {
+          ++failed;
+          distrpc::detail::log_warning(
+              "worker " + std::to_string(self_),
+              "device buffer " + std::to_string(e.index) + " of " + std::to_string(e.nbytes) +
+                  " bytes from worker " + std::to_string(peer) + " could not be imported through " +
+                  std::string(Channel::name) +
+                  " (the message's decoder will refuse it): " + ex.what());
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stats_.imported += imported;
+        stats_.failed += failed;
+      }
+      // Released before the agent runs anything: the copies are ours now.
+      wire::Message release;
+      release.type = detail::kRelease;
+      release.id = h.loan;
+      try {
+        inner_->send(peer, std::move(release));
+      } catch (const std::exception&) {
+        // The peer is gone or we are stopping: its loans are returned on its side.
+      }
+      up_.on_message(peer, std::move(m));
+    }
+
+    void stop_receiver() {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stopping_ = true;
+        queue_.clear();
+      }
+      cv_.notify_all();
+      join_or_detach(receiver_);  // detached when shut down from inside a delivery
+    }
+
+    const int self_;
+    const std::int64_t max_bytes_;
+    Channel channel_;
+    TransportCallbacks up_;  // the agent's callbacks
+    mutable std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Item> queue_;             // for the receiving thread, in arrival order
+    std::map<int, std::size_t> queued_;  // per peer: items queued or being handled
+    std::map<int, bool> reached_;        // per peer: the channel reaches it
+    std::map<int, std::map<std::uint64_t, Loan>> loans_;     // per peer, by loan id
+    std::map<int, std::map<std::uint64_t, Loan>> orphaned_;  // of lost peers (see the top)
+    std::uint64_t next_loan_ = 0;
+    DeviceDirectStats stats_;
+    bool stopping_ = false;
+    bool shut_down_ = false;
+    std::thread receiver_;
+    std::unique_ptr<typename T::Context> inner_;  // last: its threads call into the members above
+  };
+};
+
+}  // namespace distrpc::transport
