@@ -202,8 +202,28 @@ TEST_CASE("DeviceDirect: a Transfer on the wire, and a lost peer's loans kept un
   CHECK(stats(a).released == 0);
   CHECK(HostChannel::knobs().forgotten == 1);
   CHECK(HostChannel::lent_now() == 1);
-  NodeOf<Tcp> again(1);
-  a.ctx->add_peer(1, "w1", again.ctx->address());
+  SUBCASE("until the worker is registered again") {
+    NodeOf<Tcp> again(1);
+    a.ctx->add_peer(1, "w1", again.ctx->address());
+    CHECK(HostChannel::lent_now() == 0);
+  }
+  SUBCASE("or until the grace has passed (HostChannel::orphan_grace, 300 ms)") {
+    CHECK(eventually([] { return HostChannel::lent_now() == 0; }, 5s));
+    CHECK(stats(a).released == 0);
+  }
+}
+
+TEST_CASE("DeviceDirect: a Release to a sender not registered yet goes once it is") {
+  Reset reset;
+  DirectNode a(0), b(1);
+  a.ctx->add_peer(1, "w1", b.ctx->address());  // b does not know worker 0 yet
+  a.ctx->send(1, make_message(MessageType::Request, 4, "early", {pattern_bytes(2000, 6)}));
+  REQUIRE(b.inbox.wait_messages(1));  // delivered: the agent holds it until its table is read
+  CHECK(same_bytes(b.inbox.take(0).buffers.at(0), pattern_bytes(2000, 6)));
+  std::this_thread::sleep_for(200ms);
+  CHECK(stats(a).lent == 1);  // b could not answer yet
+  b.ctx->add_peer(0, "w0", a.ctx->address());
+  CHECK(eventually([&] { return stats(a).lent == 0 && stats(a).released == 1; }));
   CHECK(HostChannel::lent_now() == 0);
 }
 
@@ -277,8 +297,14 @@ TEST_CASE("DeviceDirect: every field of a Transfer's header is checked") {
         "device transfer header: device buffer index 3 is out of range or repeated");
   bad = ok;
   bad.entries[0].nbytes = 0;
-  CHECK(text(header(bad), 3) == "device transfer header: device buffer of 0 bytes (limit 0)");
-  CHECK(text(good, 3, 99) == "device transfer header: device buffer of 100 bytes (limit 99)");
+  CHECK(text(header(bad), 3) == "device transfer header: device buffer of 0 bytes");
+  CHECK(text(good, 3, 99) ==
+        "device transfer header: device buffers of more than 99 bytes in one message "
+        "(Limits::max_message_bytes)");
+  CHECK(text(good, 3, 149) ==  // 100 + 50 bytes: each fits, not both
+        "device transfer header: device buffers of more than 149 bytes in one message "
+        "(Limits::max_message_bytes)");
+  CHECK(dd::decode_transfer_header(good, 3, 150).entries.size() == 2);
   at::Tensor longer = at::cat({good, at::zeros({2}, at::kByte)});
   CHECK(text(longer, 3) == "device transfer header: 2 trailing bytes");
 }

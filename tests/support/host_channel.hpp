@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -57,14 +58,18 @@ struct HostChannel {
     return n;
   }
 
+  // Lost peers' loans come back after this (DeviceDirect's kOrphanGrace otherwise), so a test
+  // can watch it happen.
+  static constexpr std::chrono::milliseconds orphan_grace{300};
+
   explicit HostChannel(int /*self_id*/) {}
   std::string address() const { return "pid=" + std::to_string(::getpid()); }
-  bool reaches(const std::string& peer_address) const {
+  bool connect(int /*peer*/, const std::string& peer_address) {
     return knobs().reach && peer_address == address();
   }
   bool carries(const at::Tensor& b) const { return b.is_cpu() && b.numel() >= kMinBytes; }
 
-  transport::ChannelExport export_buffer(const at::Tensor& b) {
+  transport::ChannelExport export_buffer(int /*peer*/, const at::Tensor& b) {
     auto& k = knobs();
     if (k.failing_exports.load() > 0) {
       --k.failing_exports;

@@ -14,6 +14,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -21,8 +25,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -45,12 +51,13 @@ inline void cuda_check(cudaError_t e, const char* what) {
   }
 }
 
-// Restores the calling thread's current CUDA device on exit.
+// Makes `device` current on the calling thread (its primary context too, which the driver calls
+// below need) and restores the previous device on exit.
 class CudaDeviceScope {
  public:
   explicit CudaDeviceScope(int device) {
     cuda_check(cudaGetDevice(&saved_), "cudaGetDevice");
-    if (device != saved_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
   }
   ~CudaDeviceScope() { (void)cudaSetDevice(saved_); }
   CudaDeviceScope(const CudaDeviceScope&) = delete;
@@ -105,46 +112,70 @@ class CudaIpcChannel {
  public:
   static constexpr std::string_view name = "cuda_ipc";
 
-  explicit CudaIpcChannel(int /*self_id*/) : host_(detail::host_identity()) {}
+  explicit CudaIpcChannel(int /*self_id*/) : address_(own_address()) {}
   ~CudaIpcChannel() {
     for (auto& [peer, opened] : peers_) close_all(opened);
-    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    for (auto& [device, events] : free_events_) {
+      for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
+    }
   }
   CudaIpcChannel(const CudaIpcChannel&) = delete;
   CudaIpcChannel& operator=(const CudaIpcChannel&) = delete;
 
-  // Empty when this process sees no GPU: then no peer reaches it, nor it any peer.
-  std::string address() const {
-    return compat::cuda_device_count() > 0 && !host_.empty() ? "host=" + host_ : std::string();
-  }
-  bool reaches(const std::string& peer_address) const {
-    return !peer_address.empty() && peer_address == address();
+  // "host=<boot id>;pid=<pid>;gpus=<bus id>,<bus id>...": empty when this process sees no GPU.
+  std::string address() const { return address_; }
+
+  // Reached: another process of this boot of this host that sees at least one GPU this one
+  // sees (by PCI bus id, whatever CUDA_VISIBLE_DEVICES numbers them). A tensor on a GPU the peer
+  // does not see is refused by export_buffer() (and staged).
+  bool connect(int peer, const std::string& peer_address) {
+    const auto mine = parse(address_);
+    const auto theirs = parse(peer_address);
+    if (address_.empty() || mine.host != theirs.host || mine.pid == theirs.pid) return false;
+    std::set<std::string> common;
+    for (const auto& g : theirs.gpus) {
+      if (mine.gpus.count(g) != 0) common.insert(g);
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    peer_gpus_[peer] = common;
+    return !common.empty();
   }
   bool carries(const at::Tensor& buffer) const { return buffer.is_cuda(); }
 
-  ChannelExport export_buffer(const at::Tensor& buffer) {
+  // Lends a snapshot: a copy made on the current stream, so that the caller may change the
+  // tensor as soon as the call returns (the value semantics of every other policy). The copy is
+  // on the same GPU, queued behind the tensor's producer; the receiver waits for an interprocess
+  // event recorded after it, not for the whole device.
+  ChannelExport export_buffer(int peer, const at::Tensor& buffer) {
     const int device = buffer.device().index();
     detail::CudaDeviceScope on(device);
     detail::IpcDescriptor d;
     detail::cuda_check(cudaDeviceGetPCIBusId(d.bus_id, sizeof d.bus_id, device),
                        "cudaDeviceGetPCIBusId");
-    const auto [base, size] = detail::allocation_of(buffer.data_ptr());
-    detail::cuda_check(cudaIpcGetMemHandle(&d.memory, base), "cudaIpcGetMemHandle");
-    d.allocation_bytes = size;
-    d.offset = static_cast<std::uint64_t>(static_cast<const char*>(buffer.data_ptr()) - base);
-    // The producer's work is queued on the device's current stream: the receiver's copy waits
-    // for this event, not for the whole device.
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      const auto it = peer_gpus_.find(peer);
+      if (it == peer_gpus_.end() || it->second.count(normalized(d.bus_id)) == 0) {
+        throw DistNetworkError(std::string("cuda_ipc: worker ") + std::to_string(peer) +
+                               " does not see GPU " + d.bus_id);
+      }
+    }
     const c10::Stream current = c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(buffer.device());
     const auto stream = compat::native_stream(current);
     if (!stream) {
       throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
     }
-    cudaEvent_t event = take_event();
-    std::shared_ptr<void> keep(event, [this](void* e) { give_event(static_cast<cudaEvent_t>(e)); });
+    at::Tensor snapshot = buffer.clone();
+    const auto [base, size] = detail::allocation_of(snapshot.data_ptr());
+    detail::cuda_check(cudaIpcGetMemHandle(&d.memory, base), "cudaIpcGetMemHandle");
+    d.allocation_bytes = size;
+    d.offset = static_cast<std::uint64_t>(static_cast<const char*>(snapshot.data_ptr()) - base);
+    cudaEvent_t event = take_event(device);
+    auto lent = std::make_shared<Lent>(std::move(snapshot), event, device, this);
     detail::cuda_check(cudaEventRecord(event, static_cast<cudaStream_t>(*stream)),
                        "cudaEventRecord");
     detail::cuda_check(cudaIpcGetEventHandle(&d.event, event), "cudaIpcGetEventHandle");
-    return {std::string(reinterpret_cast<const char*>(&d), sizeof d), std::move(keep)};
+    return {std::string(reinterpret_cast<const char*>(&d), sizeof d), std::move(lent)};
   }
 
   at::Tensor import_buffer(int peer, std::string_view descriptor, std::int64_t nbytes) {
@@ -155,18 +186,21 @@ class CudaIpcChannel {
     }
     std::memcpy(&d, descriptor.data(), sizeof d);
     d.bus_id[sizeof d.bus_id - 1] = '\0';
-    const std::uint64_t end = d.offset + static_cast<std::uint64_t>(nbytes);
-    if (end < d.offset || end > d.allocation_bytes) {
-      throw DistNetworkError("cuda_ipc: " + std::to_string(nbytes) + " bytes at offset " +
-                             std::to_string(d.offset) + " lie outside the " +
-                             std::to_string(d.allocation_bytes) + "-byte allocation");
-    }
     int device = 0;
     detail::cuda_check(cudaDeviceGetByPCIBusId(&device, d.bus_id), "cudaDeviceGetByPCIBusId");
     detail::CudaDeviceScope on(device);
     Opened& opened = opened_for(peer);
-    char* base = map(opened, d);
+    const Mapping& mapping = map(opened, d);
+    // Bounded by what the driver mapped, not by the sender's word.
+    const std::uint64_t end = d.offset + static_cast<std::uint64_t>(nbytes);
+    if (end < d.offset || end > mapping.bytes) {
+      throw DistNetworkError("cuda_ipc: " + std::to_string(nbytes) + " bytes at offset " +
+                             std::to_string(d.offset) + " lie outside the " +
+                             std::to_string(mapping.bytes) + "-byte allocation");
+    }
     cudaEvent_t ready = event(opened, d.event);
+    // The copy lands on the same GPU, in the receiver's own memory; a device map to another GPU
+    // moves it there in the decoder.
     const c10::Device where(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
     c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
     const c10::Stream copy = cuda.getStreamFromGlobalPool(where);
@@ -175,17 +209,21 @@ class CudaIpcChannel {
       throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
     }
     const auto s = static_cast<cudaStream_t>(*stream);
-    // Allocated while the copy stream is current: the caching allocator ties the block to it.
-    c10::StreamGuard current(copy);
-    at::Tensor out = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(where));
+    at::Tensor out;
+    {
+      // Allocated while the copy stream is current: the caching allocator ties the block to it.
+      c10::StreamGuard current(copy);
+      out = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(where));
+    }
     detail::cuda_check(cudaStreamWaitEvent(s, ready, 0), "cudaStreamWaitEvent");
     detail::cuda_check(
-        cudaMemcpyAsync(out.data_ptr(), base + d.offset, static_cast<std::size_t>(nbytes),
+        cudaMemcpyAsync(out.data_ptr(), mapping.base + d.offset, static_cast<std::size_t>(nbytes),
                         cudaMemcpyDeviceToDevice, s),
         "cudaMemcpyAsync");
     // Complete before the sender hears its loan is back (and may reuse the memory), and before
-    // the receiver's code, on whichever stream, reads it.
-    detail::cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    // the receiver's code, on whichever stream, reads it. Polled, so that stop() can end a wait
+    // for a sender whose stream never gets there.
+    wait(s);
     // The block belongs to the copy stream, but the decoder and handlers read it on the device's
     // default stream: the allocator then reuses it only after that stream's work on it is done.
     cuda.recordDataPtrOnStream(out.storage().data_ptr(), cuda.getDefaultStream(where));
@@ -197,20 +235,109 @@ class CudaIpcChannel {
     {
       std::lock_guard<std::mutex> lk(mu_);
       gone = peers_.extract(peer);
+      peer_gpus_.erase(peer);
     }
     if (!gone.empty()) close_all(gone.mapped());
   }
 
+  // Ends waits inside import_buffer (the Context is stopping).
+  void stop() { stopping_ = true; }
+
  private:
   // What this receiver opened of one sender: its allocations mapped here and its events, each
   // keyed by the handle's bytes (a sender's allocation has one handle; its events are pooled and
-  // come back). At most kMaxMapped allocations stay mapped: the oldest is closed first.
+  // come back). At most kMaxMapped allocations stay mapped: the least recently used is closed.
   static constexpr std::size_t kMaxMapped = 64;
+  struct Mapping {
+    char* base = nullptr;
+    std::uint64_t bytes = 0;  // the driver's size of the mapped allocation
+  };
   struct Opened {
-    std::map<std::string, char*> mapped;
-    std::deque<std::string> order;
+    std::map<std::string, Mapping> mapped;
+    std::deque<std::string> recent;  // least recently used first
     std::map<std::string, cudaEvent_t> events;
   };
+  // A loan's part here: the snapshot lent, and its event, back to the pool once released.
+  struct Lent {
+    at::Tensor snapshot;
+    cudaEvent_t event;
+    int device;
+    CudaIpcChannel* channel;
+    Lent(at::Tensor t, cudaEvent_t e, int d, CudaIpcChannel* c)
+        : snapshot(std::move(t)), event(e), device(d), channel(c) {}
+    Lent(const Lent&) = delete;
+    Lent& operator=(const Lent&) = delete;
+    ~Lent() { channel->give_event(device, event); }
+  };
+  struct ParsedAddress {
+    std::string host;
+    std::string pid;
+    std::set<std::string> gpus;
+  };
+
+  static std::string normalized(std::string bus) {
+    for (auto& c : bus) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return bus;
+  }
+
+  static std::string own_address() {
+    const std::string host = detail::host_identity();
+    int count = 0;
+    if (host.empty() || cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      (void)cudaGetLastError();
+      return {};
+    }
+    std::string gpus;
+    for (int i = 0; i < count; ++i) {
+      char bus[32] = {};
+      if (cudaDeviceGetPCIBusId(bus, sizeof bus, i) != cudaSuccess) {
+        (void)cudaGetLastError();
+        continue;
+      }
+      gpus += (gpus.empty() ? "" : ",") + normalized(bus);
+    }
+    return "host=" + host + ";pid=" + std::to_string(::getpid()) + ";gpus=" + gpus;
+  }
+
+  static ParsedAddress parse(const std::string& a) {
+    ParsedAddress p;
+    std::size_t at = 0;
+    while (at < a.size()) {
+      const std::size_t end = std::min(a.find(';', at), a.size());
+      const std::string field = a.substr(at, end - at);
+      const std::size_t eq = field.find('=');
+      if (eq != std::string::npos) {
+        const std::string key = field.substr(0, eq);
+        const std::string value = field.substr(eq + 1);
+        if (key == "host") p.host = value;
+        if (key == "pid") p.pid = value;
+        if (key == "gpus") {
+          std::size_t g = 0;
+          while (g < value.size()) {
+            const std::size_t comma = std::min(value.find(',', g), value.size());
+            if (comma > g) p.gpus.insert(normalized(value.substr(g, comma - g)));
+            g = comma + 1;
+          }
+        }
+      }
+      at = end + 1;
+    }
+    return p;
+  }
+
+  void wait(cudaStream_t s) const {
+    for (int spins = 0;; ++spins) {
+      const cudaError_t e = cudaStreamQuery(s);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) detail::cuda_check(e, "cudaStreamQuery");
+      if (stopping_) throw DistNetworkError("cuda_ipc: stopped while waiting for a copy");
+      if (spins < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
 
   // A peer's entry (a reference into a map no one erases from while it is used, see peers_).
   Opened& opened_for(int peer) {
@@ -219,30 +346,35 @@ class CudaIpcChannel {
   }
 
   static void close_all(Opened& o) {
-    for (auto& [key, p] : o.mapped) (void)cudaIpcCloseMemHandle(p);
+    for (auto& [key, m] : o.mapped) (void)cudaIpcCloseMemHandle(m.base);
     for (auto& [key, e] : o.events) (void)cudaEventDestroy(e);
     o = Opened{};
   }
 
-  static char* map(Opened& o, const detail::IpcDescriptor& d) {
+  static const Mapping& map(Opened& o, const detail::IpcDescriptor& d) {
     const std::string key(reinterpret_cast<const char*>(&d.memory), sizeof d.memory);
-    if (const auto it = o.mapped.find(key); it != o.mapped.end()) return it->second;
+    if (const auto it = o.mapped.find(key); it != o.mapped.end()) {
+      o.recent.erase(std::find(o.recent.begin(), o.recent.end(), key));
+      o.recent.push_back(key);
+      return it->second;
+    }
     void* p = nullptr;
     detail::cuda_check(cudaIpcOpenMemHandle(&p, d.memory, cudaIpcMemLazyEnablePeerAccess),
                        "cudaIpcOpenMemHandle");
-    // The driver's size of what was mapped, not the sender's word for it.
-    if (detail::allocation_of(p).second < d.allocation_bytes) {
+    Mapping m{static_cast<char*>(p), 0};
+    try {
+      m.bytes = detail::allocation_of(p).second;
+    } catch (...) {
       (void)cudaIpcCloseMemHandle(p);
-      throw DistNetworkError("cuda_ipc: the mapped allocation is smaller than described");
+      throw;
     }
-    if (o.order.size() >= kMaxMapped) {
-      (void)cudaIpcCloseMemHandle(o.mapped[o.order.front()]);
-      o.mapped.erase(o.order.front());
-      o.order.pop_front();
+    if (o.recent.size() >= kMaxMapped) {
+      (void)cudaIpcCloseMemHandle(o.mapped[o.recent.front()].base);
+      o.mapped.erase(o.recent.front());
+      o.recent.pop_front();
     }
-    o.mapped.emplace(key, static_cast<char*>(p));
-    o.order.push_back(key);
-    return static_cast<char*>(p);
+    o.recent.push_back(key);
+    return o.mapped.emplace(key, m).first->second;
   }
 
   static cudaEvent_t event(Opened& o, const cudaIpcEventHandle_t& h) {
@@ -254,12 +386,15 @@ class CudaIpcChannel {
     return e;
   }
 
-  cudaEvent_t take_event() {
+  // Interprocess events of finished loans, per device (an event is recorded on its own
+  // device's streams only). Called with `device` current.
+  cudaEvent_t take_event(int device) {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (!free_events_.empty()) {
-        cudaEvent_t e = free_events_.back();
-        free_events_.pop_back();
+      auto& pool = free_events_[device];
+      if (!pool.empty()) {
+        cudaEvent_t e = pool.back();
+        pool.pop_back();
         return e;
       }
     }
@@ -268,16 +403,18 @@ class CudaIpcChannel {
                        "cudaEventCreateWithFlags");
     return e;
   }
-  void give_event(cudaEvent_t e) {
+  void give_event(int device, cudaEvent_t e) {
     std::lock_guard<std::mutex> lk(mu_);
-    free_events_.push_back(e);
+    free_events_[device].push_back(e);
   }
 
-  const std::string host_;
-  std::mutex mu_;                         // the two containers below (their structure)
-  std::vector<cudaEvent_t> free_events_;  // interprocess events of finished loans
-  // By peer. An entry's contents are used by the receiving thread only, and by forget(), which
-  // DeviceDirect calls where no import from that peer runs.
+  const std::string address_;
+  std::atomic<bool> stopping_{false};
+  std::mutex mu_;  // the structure of the three containers below
+  std::map<int, std::vector<cudaEvent_t>> free_events_;
+  std::map<int, std::set<std::string>> peer_gpus_;  // per peer: the GPUs both of us see
+  // By peer. An entry's contents are used by the receiving thread only (import_buffer and
+  // forget() both run there).
   std::map<int, Opened> peers_;
 };
 

@@ -23,33 +23,46 @@
 //
 // Failures: a descriptor the channel cannot import (a CUDA error) leaves that buffer empty and is
 // logged; the message still reaches the agent, whose decoder then fails the call at once (nothing
-// waits for a timeout). A lost peer's loans are kept until that worker is registered again
-// (add_peer) or the Context shuts down, not returned at once: a receiver that read the Transfer
-// before the connection broke may still be copying, and memory returned to the allocator could be
-// reused under it. What the channel opened for a lost peer is closed after its queued messages
-// were handed over.
+// waits for a timeout). A lost peer's loans are not returned at once: a receiver that read the
+// Transfer before the connection broke may still be copying, and memory returned to the
+// allocator could be reused under it. They are returned when that worker is registered again,
+// after kOrphanGrace (10 s), or at shutdown. Shutdown first waits (within its deadline) for the
+// loans still out to come back. What the channel opened for a lost peer is closed after its queued
+// messages were handed over, on the receiving thread. A Release that cannot be sent yet (the
+// sender is not registered here: messages may arrive before add_peer) is sent once it is.
+//
+// One receiving thread serves every peer, and its queue is not bounded: a Transfer whose
+// producer's stream never reaches its event holds up the GPU messages of every peer (the channel
+// gives up when the Context stops).
 //
 // The Channel (what cuda_ipc.hpp's CudaIpcChannel provides; tests use a host-memory stand-in):
 //   static constexpr std::string_view name;
 //   explicit Channel(int self_id);
-//   std::string address() const;             what a peer needs to tell whether it reaches us
-//   bool reaches(const std::string& peer_address) const;
-//   bool carries(const at::Tensor& buffer) const;      this buffer travels through the channel
-//   Export export_buffer(const at::Tensor& buffer);    on the sending thread; Export{descriptor,
-//                                                      keep}: `keep` (and the buffer) stay alive
-//                                                      until the receiver releases the loan
+//   std::string address() const;              what a peer needs to tell whether it reaches us
+//   bool connect(int peer, const std::string& peer_address);
+//                                             from add_peer: whether the channel reaches it
+//   bool carries(const at::Tensor& buffer) const;       this buffer travels through the channel
+//   ChannelExport export_buffer(int peer, const at::Tensor& buffer);
+//                                             on the sending thread: the descriptor, and what
+//                                             stays alive with the buffer until the receiver
+//                                             releases the loan; throws if this buffer cannot
+//                                             go to that peer (it is then staged)
 //   at::Tensor import_buffer(int peer, std::string_view descriptor, std::int64_t nbytes);
-//                                                      on the receiving thread: a buffer of
-//                                                      nbytes holding the bytes, ready to read
-//   void forget(int peer);                             the peer is gone: close what was opened
+//                                             on the receiving thread: a buffer of nbytes
+//                                             holding the bytes, ready to read
+//   void forget(int peer);                    on the receiving thread: the peer is gone
+//   void stop();                              optional: give up waits inside import_buffer
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -88,7 +101,7 @@ struct DeviceDirectStats {
   std::uint64_t failed = 0;    // device buffers that could not be imported (left empty)
   std::uint64_t released = 0;  // loans the receivers returned
   std::uint64_t lent = 0;      // loans not yet returned
-  std::uint64_t orphaned = 0;  // loans to peers lost meanwhile (kept until re-registration)
+  std::uint64_t orphaned = 0;  // loans to peers lost before releasing them (kept a while)
 };
 
 namespace detail {
@@ -135,7 +148,7 @@ inline at::Tensor encode_transfer_header(const TransferHeader& h) {
 }
 
 // Parses and checks the header a peer sent: every field is untrusted. `buffers` is the count of
-// the message's other buffers; `max_bytes` bounds a buffer (0: no bound).
+// the message's other buffers; `max_bytes` bounds their sum (0: no bound).
 inline TransferHeader decode_transfer_header(const at::Tensor& b, std::size_t buffers,
                                              std::int64_t max_bytes) {
   const auto fail = [](const std::string& why) -> void {
@@ -170,6 +183,7 @@ inline TransferHeader decode_transfer_header(const at::Tensor& b, std::size_t bu
          std::to_string(buffers) + " buffers");
   }
   std::set<std::uint32_t> seen;
+  std::int64_t total = 0;
   for (std::uint32_t i = 0; i < count; ++i) {
     TransferEntry e;
     std::uint32_t len = 0;
@@ -179,10 +193,12 @@ inline TransferHeader decode_transfer_header(const at::Tensor& b, std::size_t bu
     if (e.index >= buffers || !seen.insert(e.index).second) {
       fail("device buffer index " + std::to_string(e.index) + " is out of range or repeated");
     }
-    if (e.nbytes <= 0 || (max_bytes > 0 && e.nbytes > max_bytes)) {
-      fail("device buffer of " + std::to_string(e.nbytes) + " bytes (limit " +
-           std::to_string(max_bytes) + ")");
+    if (e.nbytes <= 0) fail("device buffer of " + std::to_string(e.nbytes) + " bytes");
+    if (max_bytes > 0 && e.nbytes > max_bytes - total) {
+      fail("device buffers of more than " + std::to_string(max_bytes) +
+           " bytes in one message (Limits::max_message_bytes)");
     }
+    total += e.nbytes;
     if (size - at < len) fail("descriptor of " + std::to_string(len) + " bytes is truncated");
     e.descriptor.assign(p + at, len);
     at += len;
@@ -216,7 +232,9 @@ struct DeviceDirect {
       TransportCallbacks mine;
       mine.on_message = [this](int peer, wire::Message&& m) { received(peer, std::move(m)); };
       mine.on_peer_lost = [this](int peer, const std::string& why) { lost(peer, why); };
-      receiver_ = std::thread([this] { run_receiver(); });
+      // The thread holds its own share of `alive_`: a shutdown from inside one of its
+      // deliveries detaches it, and it must not touch this Context once that returns.
+      receiver_ = std::thread([this, alive = alive_] { run_receiver(*alive); });
       try {
         inner_ = std::make_unique<typename T::Context>(options, std::move(mine));
       } catch (...) {
@@ -228,25 +246,35 @@ struct DeviceDirect {
     Context(const Context&) = delete;
     Context& operator=(const Context&) = delete;
 
-    // T's address, then the channel's (which the peer's reaches() judges).
+    // T's address, then the channel's (which the peer's channel judges in connect()).
     std::string address() const {
       return inner_->address() + std::string(detail::kAddressMark) + channel_.address();
     }
 
-    // Registering a worker again returns the loans its previous incarnation left (see above).
+    // Registering a worker again returns the loans its previous incarnation left (see above),
+    // and sends the Releases that could not be sent before it was registered.
     void add_peer(int id, const std::string& peer_name, const std::string& address) {
       const auto mark = address.rfind(detail::kAddressMark);
       const bool reached = mark != std::string::npos &&
-                           channel_.reaches(address.substr(mark + detail::kAddressMark.size()));
+                           channel_.connect(id, address.substr(mark + detail::kAddressMark.size()));
       inner_->add_peer(id, peer_name,
                        mark == std::string::npos ? address : address.substr(0, mark));
       std::map<std::uint64_t, Loan> returned;
-      std::lock_guard<std::mutex> lk(mu_);
-      reached_[id] = reached;
-      if (const auto it = orphaned_.find(id); it != orphaned_.end()) {
-        returned.swap(it->second);
-        orphaned_.erase(it);
+      std::vector<std::uint64_t> releases;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        reached_[id] = reached;
+        lost_at_.erase(id);
+        if (const auto it = orphaned_.find(id); it != orphaned_.end()) {
+          for (auto& [loan, o] : it->second) returned.emplace(loan, std::move(o.loan));
+          orphaned_.erase(it);
+        }
+        if (const auto it = unsent_releases_.find(id); it != unsent_releases_.end()) {
+          releases.swap(it->second);
+          unsent_releases_.erase(it);
+        }
       }
+      for (const auto loan : releases) send_release(id, loan);
     }
 
     // See the top of this file.
@@ -277,10 +305,10 @@ struct DeviceDirect {
         at::Tensor& b = m.buffers[i];
         ChannelExport e;
         try {
-          e = channel_.export_buffer(b);
+          e = channel_.export_buffer(peer, b);
         } catch (const std::exception&) {
-          // Memory the channel cannot share (e.g. not from a plain device allocation): this
-          // buffer goes the way every policy sends it.
+          // Memory the channel cannot share with that peer (a GPU it does not see, memory not
+          // from a plain device allocation): this buffer goes the way every policy sends it.
           b = b.cpu();
           ++staged;
           continue;
@@ -313,23 +341,25 @@ struct DeviceDirect {
       }
     }
 
-    // Idempotent. Loans still out are returned (their buffers freed once nothing else holds
-    // them); queued messages are dropped.
+    // Idempotent. Waits (until `deadline`) for the loans still out to come back, then stops T
+    // and the receiving thread; loans still out then are returned, queued messages dropped.
     std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
       {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::unique_lock<std::mutex> lk(mu_);
         if (shut_down_) return 0;
         shut_down_ = true;
+        cv_.wait_until(lk, deadline, [&] { return stats_.lent == 0; });
         // The receiving thread takes nothing more (no import for a worker that is going away),
         // and what T still delivers while it stops is dropped.
         stopping_ = true;
         queue_.clear();
       }
       cv_.notify_all();
+      if constexpr (requires { channel_.stop(); }) channel_.stop();
       const std::size_t abandoned = inner_ ? shutdown_until(*inner_, deadline) : 0;
       stop_receiver();
       std::map<int, std::map<std::uint64_t, Loan>> loans;
-      std::map<int, std::map<std::uint64_t, Loan>> orphaned;
+      std::map<int, std::map<std::uint64_t, Orphan>> orphaned;
       {
         std::lock_guard<std::mutex> lk(mu_);
         loans.swap(loans_);
@@ -340,9 +370,9 @@ struct DeviceDirect {
     }
     void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
-    void drive(
-        const std::function<bool()>& done,
-        std::chrono::steady_clock::time_point until) requires has_drive<typename T::Context> {
+    void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until)
+      requires has_drive<typename T::Context>
+    {
       inner_->drive(done, until);
     }
 
@@ -359,10 +389,25 @@ struct DeviceDirect {
     Channel& channel() { return channel_; }
     typename T::Context& inner() { return *inner_; }
 
+    // How long the loans of a lost peer are kept before they are returned: 10 s, or the
+    // channel's `orphan_grace` where it names one.
+    static constexpr std::chrono::milliseconds kOrphanGrace = [] {
+      if constexpr (requires { Channel::orphan_grace; }) {
+        return std::chrono::milliseconds(Channel::orphan_grace);
+      } else {
+        return std::chrono::milliseconds(10000);
+      }
+    }();
+
    private:
+    using Clock = std::chrono::steady_clock;
     struct Loan {
       std::vector<at::Tensor> buffers;
       std::vector<std::shared_ptr<void>> keep;
+    };
+    struct Orphan {
+      Loan loan;
+      Clock::time_point since;
     };
     // One entry of the receiving thread's queue: a message, or the loss of its peer.
     struct Item {
@@ -393,67 +438,126 @@ struct DeviceDirect {
         std::lock_guard<std::mutex> lk(mu_);
         if (stopping_) return;
         if (m.type == detail::kTransfer || queued_[peer] > 0) {
-          ++queued_[peer];
-          queue_.push_back(Item{peer, std::move(m), std::nullopt});
-          cv_.notify_one();
+          enqueue_locked(Item{peer, std::move(m), std::nullopt});
           return;
         }
       }
       up_.on_message(peer, std::move(m));
     }
 
+    // The loss goes through the receiving thread, behind the peer's queued messages: the channel
+    // forgets the peer there, where no import from it can be running.
     void lost(int peer, const std::string& why) {
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (stopping_) return;
-        if (const auto it = loans_.find(peer); it != loans_.end()) {
-          stats_.lent -= it->second.size();
-          stats_.orphaned += it->second.size();
-          auto& kept = orphaned_[peer];
-          kept.merge(it->second);
-          loans_.erase(it);
-        }
-        if (queued_[peer] > 0) {
-          ++queued_[peer];
-          queue_.push_back(Item{peer, wire::Message{}, why});
-          cv_.notify_one();
-          return;
-        }
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stopping_) return;
+      lost_at_[peer] = Clock::now();
+      orphan_locked(peer);
+      enqueue_locked(Item{peer, wire::Message{}, why});
+    }
+
+    void enqueue_locked(Item&& item) {
+      ++queued_[item.peer];
+      queue_.push_back(std::move(item));
+      cv_.notify_all();
+    }
+
+    // Moves the loans to a lost `peer` (also one sent while its loss was being reported) to the
+    // orphans.
+    void orphan_locked(int peer) {
+      const auto it = loans_.find(peer);
+      if (it == loans_.end()) return;
+      stats_.lent -= it->second.size();
+      stats_.orphaned += it->second.size();
+      for (auto& [id, loan] : it->second) {
+        orphaned_[peer].emplace(id, Orphan{std::move(loan), Clock::now()});
       }
-      channel_.forget(peer);
-      up_.on_peer_lost(peer, why);
+      loans_.erase(it);
+      cv_.notify_all();
     }
 
     void return_loan(int peer, std::uint64_t id, bool released) {
       Loan gone;
       std::lock_guard<std::mutex> lk(mu_);
-      const auto it = loans_.find(peer);
-      if (it == loans_.end()) return;
-      const auto loan = it->second.find(id);
-      if (loan == it->second.end()) return;
-      gone = std::move(loan->second);
-      it->second.erase(loan);
-      --stats_.lent;
-      if (released) ++stats_.released;
+      if (const auto it = loans_.find(peer); it != loans_.end()) {
+        if (const auto loan = it->second.find(id); loan != it->second.end()) {
+          gone = std::move(loan->second);
+          it->second.erase(loan);
+          --stats_.lent;
+          if (released) ++stats_.released;
+          cv_.notify_all();
+          return;
+        }
+      }
+      // A Release for a loan orphaned meanwhile (T reconnected): it is back as well.
+      if (const auto it = orphaned_.find(peer); it != orphaned_.end() && released) {
+        if (const auto loan = it->second.find(id); loan != it->second.end()) {
+          gone = std::move(loan->second.loan);
+          it->second.erase(loan);
+          ++stats_.released;
+        }
+      }
     }
 
-    void run_receiver() {
+    // Returns the orphans older than kOrphanGrace, and orphans loans sent to lost peers after
+    // their loss was reported.
+    void sweep_locked(std::vector<Loan>& returned) {
+      const auto now = Clock::now();
+      for (const auto& [peer, at] : lost_at_) orphan_locked(peer);
+      for (auto it = orphaned_.begin(); it != orphaned_.end();) {
+        for (auto o = it->second.begin(); o != it->second.end();) {
+          if (now - o->second.since >= kOrphanGrace) {
+            returned.push_back(std::move(o->second.loan));
+            o = it->second.erase(o);
+          } else {
+            ++o;
+          }
+        }
+        it = it->second.empty() ? orphaned_.erase(it) : std::next(it);
+      }
+    }
+
+    void run_receiver(const std::atomic<bool>& alive) {
       mark_transport_thread();
       std::unique_lock<std::mutex> lk(mu_);
       for (;;) {
-        cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+        // Woken now and then to return old orphans.
+        cv_.wait_for(lk, kOrphanGrace / 4, [&] { return stopping_ || !queue_.empty(); });
         if (stopping_) return;
+        std::vector<Loan> returned;
+        sweep_locked(returned);
+        if (queue_.empty()) {
+          lk.unlock();
+          returned.clear();
+          lk.lock();
+          continue;
+        }
         Item item = std::move(queue_.front());
         queue_.pop_front();
         lk.unlock();
+        returned.clear();
         if (item.lost) {
           channel_.forget(item.peer);
           up_.on_peer_lost(item.peer, *item.lost);
         } else {
           deliver(item.peer, std::move(item.message));
         }
+        if (!alive.load()) return;  // shut down (and perhaps destroyed) from inside the delivery
         lk.lock();
         --queued_[item.peer];
+      }
+    }
+
+    void send_release(int peer, std::uint64_t loan) {
+      wire::Message release;
+      release.type = detail::kRelease;
+      release.id = loan;
+      try {
+        inner_->send(peer, std::move(release));
+      } catch (const std::exception&) {
+        // Not registered here yet (add_peer sends it), or gone (its loans are orphaned on its
+        // side), or we are stopping.
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!stopping_ && lost_at_.count(peer) == 0) unsent_releases_[peer].push_back(loan);
       }
     }
 
@@ -503,14 +607,7 @@ struct DeviceDirect {
         stats_.failed += failed;
       }
       // Released before the agent runs anything: the copies are ours now.
-      wire::Message release;
-      release.type = detail::kRelease;
-      release.id = h.loan;
-      try {
-        inner_->send(peer, std::move(release));
-      } catch (const std::exception&) {
-        // The peer is gone or we are stopping: its loans are returned on its side.
-      }
+      send_release(peer, h.loan);
       up_.on_message(peer, std::move(m));
     }
 
@@ -521,6 +618,9 @@ struct DeviceDirect {
         queue_.clear();
       }
       cv_.notify_all();
+      if (receiver_.joinable() && receiver_.get_id() == std::this_thread::get_id()) {
+        alive_->store(false);
+      }
       join_or_detach(receiver_);  // detached when shut down from inside a delivery
     }
 
@@ -533,12 +633,15 @@ struct DeviceDirect {
     std::deque<Item> queue_;             // for the receiving thread, in arrival order
     std::map<int, std::size_t> queued_;  // per peer: items queued or being handled
     std::map<int, bool> reached_;        // per peer: the channel reaches it
-    std::map<int, std::map<std::uint64_t, Loan>> loans_;     // per peer, by loan id
-    std::map<int, std::map<std::uint64_t, Loan>> orphaned_;  // of lost peers (see the top)
+    std::map<int, std::map<std::uint64_t, Loan>> loans_;         // per peer, by loan id
+    std::map<int, std::map<std::uint64_t, Orphan>> orphaned_;    // of lost peers (see the top)
+    std::map<int, Clock::time_point> lost_at_;                   // peers lost, not registered again
+    std::map<int, std::vector<std::uint64_t>> unsent_releases_;  // to peers not registered yet
     std::uint64_t next_loan_ = 0;
     DeviceDirectStats stats_;
     bool stopping_ = false;
     bool shut_down_ = false;
+    std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
     std::thread receiver_;
     std::unique_ptr<typename T::Context> inner_;  // last: its threads call into the members above
   };
