@@ -207,6 +207,13 @@ inline c10::Device read_record_device(InputArchive& ar) {
               "index >= 0) tensors are supported");
 }
 
+// Whether elements of `item` bytes can be read in place from `base + byte_start`.
+inline bool aligned_for(const char* base, std::int64_t byte_start, std::int64_t item) {
+  return byte_start % item == 0 &&
+         reinterpret_cast<std::uintptr_t>(base + byte_start) % static_cast<std::uintptr_t>(item) ==
+             0;
+}
+
 // The storage of a tensor over a received CPU buffer `b` (its bytes from `byte_start`, `span`
 // elements of `item` bytes) and the tensor's offset in it: the buffer's own storage when aligned
 // for the dtype, else a copy.
@@ -225,7 +232,7 @@ inline std::pair<c10::Storage, std::int64_t> host_storage(const at::Tensor& b,
       }
     }
   }
-  if (byte_start % item == 0 && reinterpret_cast<std::uintptr_t>(base + byte_start) % item == 0) {
+  if (aligned_for(base, byte_start, item)) {
     return {b.storage(), byte_start / item};
   }
   // A transport that packs buffers may hand over memory not aligned for this dtype: copy once.
@@ -250,7 +257,7 @@ inline std::pair<c10::Storage, std::int64_t> device_storage(const at::Tensor& b,
     decode_fail("bool tensor holds a byte other than 0 or 1 (only 0 and 1 are valid)");
   }
   const char* base = static_cast<const char*>(b.storage().data());
-  if (byte_start % item == 0 && reinterpret_cast<std::uintptr_t>(base + byte_start) % item == 0) {
+  if (aligned_for(base, byte_start, item)) {
     return {b.storage(), byte_start / item};
   }
   return {bytes.clone().storage(), 0};

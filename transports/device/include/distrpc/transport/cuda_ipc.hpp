@@ -51,6 +51,12 @@ inline void cuda_check(cudaError_t e, const char* what) {
   }
 }
 
+// The CUDA stream behind a c10 stream (compat::native_stream).
+inline cudaStream_t native(const c10::Stream& s) {
+  if (const auto h = compat::native_stream(s)) return static_cast<cudaStream_t>(*h);
+  throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
+}
+
 // Makes `device` current on the calling thread (its primary context too, which the driver calls
 // below need) and restores the previous device on exit.
 class CudaDeviceScope {
@@ -160,11 +166,8 @@ class CudaIpcChannel {
                                " does not see GPU " + d.bus_id);
       }
     }
-    const c10::Stream current = c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(buffer.device());
-    const auto stream = compat::native_stream(current);
-    if (!stream) {
-      throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
-    }
+    const cudaStream_t current =
+        detail::native(c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(buffer.device()));
     at::Tensor snapshot = buffer.clone();
     const auto [base, size] = detail::allocation_of(snapshot.data_ptr());
     detail::cuda_check(cudaIpcGetMemHandle(&d.memory, base), "cudaIpcGetMemHandle");
@@ -172,8 +175,7 @@ class CudaIpcChannel {
     d.offset = static_cast<std::uint64_t>(static_cast<const char*>(snapshot.data_ptr()) - base);
     cudaEvent_t event = take_event(device);
     auto lent = std::make_shared<Lent>(std::move(snapshot), event, device, this);
-    detail::cuda_check(cudaEventRecord(event, static_cast<cudaStream_t>(*stream)),
-                       "cudaEventRecord");
+    detail::cuda_check(cudaEventRecord(event, current), "cudaEventRecord");
     detail::cuda_check(cudaIpcGetEventHandle(&d.event, event), "cudaIpcGetEventHandle");
     return {std::string(reinterpret_cast<const char*>(&d), sizeof d), std::move(lent)};
   }
@@ -204,11 +206,7 @@ class CudaIpcChannel {
     const c10::Device where(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
     c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
     const c10::Stream copy = cuda.getStreamFromGlobalPool(where);
-    const auto stream = compat::native_stream(copy);
-    if (!stream) {
-      throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
-    }
-    const auto s = static_cast<cudaStream_t>(*stream);
+    const cudaStream_t s = detail::native(copy);
     at::Tensor out;
     {
       // Allocated while the copy stream is current: the caching allocator ties the block to it.

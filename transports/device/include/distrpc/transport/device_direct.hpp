@@ -525,25 +525,24 @@ struct DeviceDirect {
         if (stopping_) return;
         std::vector<Loan> returned;
         sweep_locked(returned);
-        if (queue_.empty()) {
-          lk.unlock();
-          returned.clear();
-          lk.lock();
-          continue;
+        std::optional<Item> item;
+        if (!queue_.empty()) {
+          item = std::move(queue_.front());
+          queue_.pop_front();
         }
-        Item item = std::move(queue_.front());
-        queue_.pop_front();
         lk.unlock();
-        returned.clear();
-        if (item.lost) {
-          channel_.forget(item.peer);
-          up_.on_peer_lost(item.peer, *item.lost);
-        } else {
-          deliver(item.peer, std::move(item.message));
+        returned.clear();  // their buffers freed outside the lock
+        if (item) {
+          if (item->lost) {
+            channel_.forget(item->peer);
+            up_.on_peer_lost(item->peer, *item->lost);
+          } else {
+            deliver(item->peer, std::move(item->message));
+          }
+          if (!alive.load()) return;  // shut down (and perhaps destroyed) from inside a delivery
         }
-        if (!alive.load()) return;  // shut down (and perhaps destroyed) from inside the delivery
         lk.lock();
-        --queued_[item.peer];
+        if (item) --queued_[item->peer];
       }
     }
 
