@@ -28,6 +28,7 @@
 #include "distrpc/store/tcp_store.hpp"
 #include "multiprocess.hpp"
 #include "support/error_text.hpp"
+#include "support/scoped_env.hpp"
 #include "support/tls_certs.hpp"
 
 namespace dist = distrpc::dist;
@@ -255,26 +256,7 @@ struct DestroyAtEnd {
   }
 };
 
-// Sets (or unsets, for nullptr) an environment variable for a scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    set(value);
-  }
-  ~ScopedEnv() { set(old_ ? old_->c_str() : nullptr); }
-  void set(const char* value) {
-    if (value) {
-      ::setenv(name_, value, 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using distrpc::testing::ScopedEnv;
 
 // Collects the log lines for a scope.
 class LogCapture {

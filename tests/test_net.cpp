@@ -1,13 +1,23 @@
 // Choosing the address a worker listens on and publishes (include/distrpc/net/interfaces.hpp) and
 // where the rendezvous server listens (store/rendezvous.hpp): the rule as a table, on this
 // machine's real interfaces, without processes and without libtorch. The same rule across real
-// hosts (network namespaces) is tests/hosts/check.sh.
+// hosts (network namespaces) is tests/hosts/check.sh. Then the reading threads' epoll set
+// (net/ready_set.hpp), with eventfds standing in for connections.
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <doctest/doctest.h>
 
 #include "distrpc/net/interfaces.hpp"
+#include "distrpc/net/ready_set.hpp"
 #include "distrpc/store/rendezvous.hpp"
 #include "distrpc/store/tcp_store.hpp"
 
@@ -182,4 +192,130 @@ TEST_CASE("rendezvous: the result says where the store's server is") {
                                         std::chrono::seconds(10));
   wide.store->set("k", "v");
   CHECK(via_loopback.get("k") == distrpc::store::Bytes{'v'});
+}
+
+// ---- net::ReadySet: sleepers are not woken while a thread polls -----------------------------
+
+namespace {
+
+using namespace std::chrono_literals;
+using distrpc::net::ReadySet;
+
+// An eventfd standing in for a connection: readable once written, registered one-shot with `key`.
+struct FakeConnection {
+  FakeConnection(ReadySet& set, std::uint64_t key) : set(set), key(key) {
+    fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    REQUIRE(fd >= 0);
+    epoll_event ev{EPOLLIN | EPOLLONESHOT, {.u64 = key}};
+    REQUIRE(::epoll_ctl(set.fd(), EPOLL_CTL_ADD, fd, &ev) == 0);
+  }
+  ~FakeConnection() { ::close(fd); }
+  void make_ready() {
+    const std::uint64_t one = 1;
+    REQUIRE(::write(fd, &one, sizeof one) == sizeof one);
+  }
+  ReadySet& set;
+  std::uint64_t key;
+  int fd = -1;
+};
+
+// A thread sleeping in wait() until it takes something; what it took, or 0 after stop().
+struct Sleeper {
+  explicit Sleeper(ReadySet& set) {
+    thread = std::thread([this, &set] {
+      for (;;) {
+        epoll_event ev{};
+        const int n = set.wait(ev);
+        if (n == ReadySet::kNothing) continue;
+        took.store(n == 1 ? ev.data.u64 : 0);
+        return;
+      }
+    });
+  }
+  ~Sleeper() { thread.join(); }
+  bool took_within(std::chrono::milliseconds d) {
+    const auto until = std::chrono::steady_clock::now() + d;
+    while (took.load() == kNone && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(1ms);
+    }
+    return took.load() != kNone;
+  }
+  static constexpr std::uint64_t kNone = ~std::uint64_t{0};
+  std::atomic<std::uint64_t> took{kNone};
+  std::thread thread;
+};
+
+}  // namespace
+
+TEST_CASE("net: ReadySet wakes a sleeper for a ready connection, and every sleeper at stop()") {
+  ReadySet set("test");
+  FakeConnection a(set, 7);
+  {
+    Sleeper s(set);
+    std::this_thread::sleep_for(20ms);  // asleep in wait()
+    a.make_ready();
+    REQUIRE(s.took_within(5s));
+    CHECK(s.took.load() == 7);
+  }
+  Sleeper s1(set), s2(set);
+  std::this_thread::sleep_for(20ms);
+  set.stop();
+  REQUIRE(s1.took_within(5s));
+  REQUIRE(s2.took_within(5s));
+  CHECK(s1.took.load() == 0);
+  CHECK(s2.took.load() == 0);
+}
+
+TEST_CASE("net: ReadySet keeps sleepers asleep while a thread polls, and loses no readiness") {
+  ReadySet set("test");
+  FakeConnection a(set, 1), b(set, 2);
+  Sleeper s(set);
+  std::this_thread::sleep_for(20ms);
+  set.begin_polling();
+  CHECK(set.pollers() == 1);
+  CHECK_FALSE(set.try_begin_polling());  // a reading thread does not poll beside a caller
+  CHECK(set.pollers() == 1);
+  a.make_ready();
+  // The sleeper hears nothing while the poller polls, even with a ready connection waiting.
+  CHECK_FALSE(s.took_within(200ms));
+  epoll_event ev{};
+  REQUIRE(set.poll(ev) == 1);
+  const std::uint64_t took = ev.data.u64;  // a packed field: copied before CHECK binds it
+  CHECK(took == 1);
+  CHECK(set.poll(ev) == ReadySet::kNothing);  // one-shot: taken once
+  b.make_ready();
+  CHECK_FALSE(s.took_within(100ms));
+  // The last poller stops without taking b: the sleeper is woken for it.
+  set.end_polling();
+  CHECK(set.pollers() == 0);
+  REQUIRE(s.took_within(5s));
+  CHECK(s.took.load() == 2);
+}
+
+TEST_CASE("net: ReadySet wakes a second sleeper for a second ready connection") {
+  ReadySet set("test");
+  FakeConnection a(set, 1), b(set, 2);
+  Sleeper s1(set), s2(set);
+  std::this_thread::sleep_for(20ms);
+  // Both become ready while nobody polls: each sleeper takes one (the first re-arms for the other).
+  a.make_ready();
+  b.make_ready();
+  REQUIRE(s1.took_within(5s));
+  REQUIRE(s2.took_within(5s));
+  CHECK(s1.took.load() + s2.took.load() == 3);
+  CHECK(s1.took.load() != s2.took.load());
+}
+
+TEST_CASE("net: ReadySet lets a reading thread poll only alone, counting nested pollers") {
+  ReadySet set("test");
+  REQUIRE(set.try_begin_polling());
+  set.begin_polling();  // a caller joins: the reading thread sees two and stops
+  CHECK(set.pollers() == 2);
+  set.end_polling();
+  CHECK(set.pollers() == 1);
+  CHECK_FALSE(set.try_begin_polling());
+  set.end_polling();
+  CHECK(set.pollers() == 0);
+  CHECK(set.try_begin_polling());
+  set.end_polling();
 }

@@ -38,6 +38,7 @@
 #include "distrpc/transport/tcp.hpp"
 #include "distrpc/wire.hpp"
 #include "multiprocess.hpp"
+#include "support/scoped_env.hpp"
 #include "support/transport_test_util.hpp"
 
 #ifdef DISTRPC_UNDER_TSAN  // net/handoff.hpp's detection of a ThreadSanitizer build
@@ -97,13 +98,6 @@ std::vector<std::string> orphaned_abstract_sockets() {
     if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) out.push_back(line.substr(at));
   }
   return out;
-}
-
-double process_cpu_seconds() {
-  rusage ru{};
-  ::getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
 }  // namespace
@@ -383,22 +377,23 @@ TEST_CASE("shm: a corrupted ring header drops the connection with a reason; the 
 TEST_CASE("shm: an idle connected pair uses almost no CPU") {
   ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
-  for (int i = 0; i < 200; ++i) {
-    a.ctx->send(1, make_message(MessageType::Request, i, "warm"));
-    b.ctx->send(0, make_message(MessageType::Response, i, "warm"));
-  }
-  REQUIRE(a.inbox.wait_messages(200));
-  REQUIRE(b.inbox.wait_messages(200));
-  std::this_thread::sleep_for(300ms);  // past the I/O threads' spin after activity
-  const double c0 = process_cpu_seconds();
-  const auto t0 = Clock::now();
-  std::this_thread::sleep_for(1s);
-  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double pct = 100.0 * (process_cpu_seconds() - c0) / wall;
+  exchange_a_while(a, b);
+  const double pct = distrpc::testing::idle_cpu_percent(300ms);  // past the spin after activity
   MESSAGE("idle CPU of a connected pair (two contexts, this whole process): " << pct
                                                                               << " % of one core");
   CHECK(pct < 10.0);
   check_still_works(a, b, 7);  // and it wakes up again
+}
+
+TEST_CASE("shm: a DISTRPC_SHM_SPIN_US that is not a number of microseconds is named") {
+  for (const char* bad : {"x", "-3", "2000000"}) {
+    CAPTURE(bad);
+    distrpc::testing::ScopedEnv spin("DISTRPC_SHM_SPIN_US", bad);
+    const std::string text =
+        distrpc::testing::thrown_exactly<std::invalid_argument>([] { ShmNode n(0); });
+    CHECK(text == std::string("DISTRPC_SHM_SPIN_US='") + bad +
+                      "' is not a number of microseconds in 0..1000000");
+  }
 }
 
 // Rank 1 streams large messages (payloads four times the ring, and segment tensors) to rank 0 and

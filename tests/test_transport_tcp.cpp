@@ -30,6 +30,7 @@
 #include "distrpc/wire/frame.hpp"
 #include "distrpc/wire/handshake.hpp"
 #include "multiprocess.hpp"
+#include "support/scoped_env.hpp"
 #include "support/tls_certs.hpp"
 #include "support/transport_test_util.hpp"
 
@@ -520,4 +521,55 @@ TEST_CASE("tcp TLS: missing or unreadable files are named when the Context is ma
   bad.ca_file = certs.client.key_file;  // readable, but no certificate in it
   CHECK(contains(make(bad),
                  "TLS: the CA file '" + bad.ca_file + "' holds no usable PEM certificate"));
+}
+
+// ---- polling after activity (DISTRPC_TCP_SPIN_US) -------------------------------------------------
+
+// A reading thread polls for a while after each message; idle, it must sleep in the kernel.
+TEST_CASE("tcp: an idle connected pair uses almost no CPU, and wakes up again") {
+  TcpNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  exchange_a_while(a, b);
+  // Well past the reading threads' polling after activity.
+  const double pct = distrpc::testing::idle_cpu_percent(300ms);
+  MESSAGE("idle CPU of a connected pair (two contexts, this whole process): " << pct
+                                                                              << " % of one core");
+  CHECK(pct < 10.0);
+  check_still_works(a, b, 7);
+}
+
+TEST_CASE("tcp: DISTRPC_TCP_SPIN_US sets the polling after activity; a bad value is named") {
+  using distrpc::testing::ScopedEnv;
+  SUBCASE("0: never poll, and messages still flow both ways") {
+    ScopedEnv spin("DISTRPC_TCP_SPIN_US", "0");
+    TcpNode a(0), b(1);
+    introduce(a, 0, b, 1);
+    for (int i = 0; i < 50; ++i) {
+      a.ctx->send(1, make_message(MessageType::Request, i, "ping"));
+      REQUIRE(b.inbox.wait_messages(i + 1));
+      b.ctx->send(0, make_message(MessageType::Response, i, "pong"));
+      REQUIRE(a.inbox.wait_messages(i + 1));
+    }
+    CHECK(a.inbox.take(49).payload == "pong");
+    check_still_works(a, b, 8);
+  }
+  SUBCASE("a long polling time ends: the pair goes idle after it") {
+    ScopedEnv spin("DISTRPC_TCP_SPIN_US", "200000");  // 0.2 s
+    TcpNode a(0), b(1);
+    introduce(a, 0, b, 1);
+    a.ctx->send(1, make_message(MessageType::Request, 1, "once"));
+    REQUIRE(b.inbox.wait_messages(1));
+    const double pct = distrpc::testing::idle_cpu_percent(600ms);
+    MESSAGE("CPU after a 0.2 s polling time ran out: " << pct << " % of one core");
+    CHECK(pct < 10.0);
+    check_still_works(a, b, 9);
+  }
+  for (const char* bad : {"abc", "-1", "1000001", "12us"}) {
+    CAPTURE(bad);
+    ScopedEnv spin("DISTRPC_TCP_SPIN_US", bad);
+    const std::string text = distrpc::testing::thrown_exactly<std::invalid_argument>(
+        [] { TcpNode n(0); });
+    CHECK(text == std::string("DISTRPC_TCP_SPIN_US='") + bad +
+                      "' is not a number of microseconds in 0..1000000");
+  }
 }

@@ -3,6 +3,8 @@
 // for every policy. Header-only, used by the transport tests (one binary, test_wire).
 #pragma once
 
+#include <sys/resource.h>
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -131,6 +133,36 @@ inline wire::Message make_message(wire::MessageType type, std::uint64_t id, std:
   m.payload = std::move(payload);
   m.buffers = std::move(buffers);
   return m;
+}
+
+// CPU time (user + system) of this whole process so far, in seconds.
+inline double process_cpu_seconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+// The CPU this whole process uses in one second (percent of one core), starting `settle` after
+// its last activity: what an idle transport costs once any polling after activity is over.
+inline double idle_cpu_percent(std::chrono::milliseconds settle) {
+  std::this_thread::sleep_for(settle);
+  const double c0 = process_cpu_seconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 100.0 * (process_cpu_seconds() - c0) / wall;
+}
+
+// 200 messages each way between workers 0 (a) and 1 (b), all delivered.
+template <class N>
+void exchange_a_while(N& a, N& b) {
+  for (int i = 0; i < 200; ++i) {
+    a.ctx->send(1, make_message(wire::MessageType::Request, i, "warm"));
+    b.ctx->send(0, make_message(wire::MessageType::Response, i, "warm"));
+  }
+  REQUIRE(a.inbox.wait_messages(200));
+  REQUIRE(b.inbox.wait_messages(200));
 }
 
 // Pseudo-random bytes, different per seed, so a misplaced byte shows.

@@ -32,7 +32,6 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -76,6 +75,8 @@
 #include "distrpc/net/errno_text.hpp"
 #include "distrpc/net/fd.hpp"
 #include "distrpc/net/handoff.hpp"
+#include "distrpc/net/ready_set.hpp"
+#include "distrpc/net/spin.hpp"
 #include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
 #include "distrpc/transport/detail/identity.hpp"
@@ -126,6 +127,11 @@ inline constexpr std::size_t kReadBufferBytes = 64 * 1024;
 // wakes another. Two, so one can run a request it read (leader/follower, transport.hpp
 // InlineScope) while the other keeps reading: at most kReadThreads - 1 run tasks at a time.
 inline constexpr int kReadThreads = 2;
+// How long a reading thread that just handled a message keeps polling the epoll set (yielding
+// the CPU each round) before it sleeps, unless DISTRPC_TCP_SPIN_US says otherwise (0: never).
+// A conversation's next message then finds a thread awake instead of paying for a wake-up on
+// another core; an idle connection costs this once, then nothing.
+inline constexpr int kDefaultSpinUs = 100;
 // A body with at least this much still to come is read straight into its tensors, not via the
 // buffer.
 inline constexpr std::size_t kDirectReadBytes = 32 * 1024;
@@ -291,7 +297,7 @@ inline int read_exact(int fd, char* buf, std::size_t n, Clock::time_point deadli
 // write_mu.
 struct Connection {
   int fd = -1;
-  std::uint64_t token = 0;  // its key in the epoll set (never reused; 0 is the wake-up eventfd)
+  std::uint64_t token = 0;  // its key in the epoll set (never reused, never 0)
   bool outgoing = false;
   int peer = -1;
   std::uint64_t generation = 0;  // of the Peer's liveness when it was made or adopted
@@ -403,25 +409,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
         accept_retry_(lio_) {
     token_ = transport::detail::transport_secret(options_);
     if (const auto tls = net::tls::resolve(options_.tls)) tls_ = net::tls::make_context(*tls);
-    epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
-    if (epfd_ < 0)
-      throw DistNetworkError("distrpc tcp: epoll_create1 failed: " + errno_text(errno));
-    wakefd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (wakefd_ < 0) {
-      ::close(epfd_);
-      throw DistNetworkError("distrpc tcp: eventfd failed: " + errno_text(errno));
-    }
-    // Level-triggered and never drained: once written, it wakes every reading thread to exit.
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.u64 = 0;
-    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
     listen();
-  }
-
-  ~Impl() {
-    if (epfd_ >= 0) ::close(epfd_);
-    if (wakefd_ >= 0) ::close(wakefd_);
   }
 
   // Separate from the constructor: the threads hold a shared_ptr to this.
@@ -492,8 +480,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       conns.assign(conns_.begin(), conns_.end());
     }
     for (auto& c : conns) c->shutdown_fd();
-    const std::uint64_t one = 1;
-    [[maybe_unused]] const auto w = ::write(wakefd_, &one, sizeof one);
+    ready_.stop();
     lio_work_.reset();
     lio_.stop();
     // Called from a callback, the thread it runs on is detached: it returns to a stopped loop
@@ -569,7 +556,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     epoll_event ev{};
     ev.events = kReadEvents;
     ev.data.u64 = c->token;
-    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
+    if (::epoll_ctl(ready_.fd(), EPOLL_CTL_ADD, c->fd, &ev) < 0) {
       lose(c, "cannot watch the socket: " + errno_text(errno));
     }
   }
@@ -1174,19 +1161,22 @@ class Impl : public std::enable_shared_from_this<Impl> {
   void read_loop() {
     ::pthread_setname_np(::pthread_self(), "distrpc-tcp-rd");
     mark_transport_thread();
+    bool handled = false;  // this thread handled a message since it last slept
     for (;;) {
       // One event per wait: a thread that goes on to run a handed-back task holds no other
       // connection's readiness hostage.
       epoll_event ev{};
-      const int n = ::epoll_wait(epfd_, &ev, 1, -1);
-      if (stopping_.load()) return;
+      int n = handled ? poll_a_while(ev) : net::ReadySet::kNothing;
+      handled = false;
+      while (n == net::ReadySet::kNothing && !stopping_.load()) n = ready_.wait(ev);
+      if (stopping_.load() || n == net::ReadySet::kStopped) return;
       if (n < 0) {
-        if (errno == EINTR) continue;
         distrpc::detail::log_error(log_who(), "tcp: epoll_wait failed: " + errno_text(errno));
         return;
       }
-      if (n == 0 || ev.data.u64 == 0) continue;
+      if (ev.data.u64 == 0) continue;
       if (auto c = by_token(ev.data.u64)) {
+        handled = true;
         try {
           on_readable(c);
         } catch (const std::exception& e) {
@@ -1196,6 +1186,24 @@ class Impl : public std::enable_shared_from_this<Impl> {
         }
       }
     }
+  }
+
+  // After a message: polls the epoll set without sleeping for up to spin_us_, while no other
+  // thread polls it (the other reading thread, or a caller in drive(): one poller per process
+  // is enough, two would take both cores of a small machine). Meanwhile the other reading
+  // thread is not woken for readiness (net/ready_set.hpp). 1 with `ev` filled, else kNothing
+  // (time up, or a caller began to drive: the sleeping wait follows).
+  int poll_a_while(epoll_event& ev) {
+    if (spin_us_ <= 0 || !ready_.try_begin_polling()) return net::ReadySet::kNothing;
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us_);
+    int n = net::ReadySet::kNothing;
+    while (!stopping_.load(std::memory_order_relaxed) && ready_.pollers() == 1) {
+      n = ready_.poll(ev);
+      if (n != net::ReadySet::kNothing || Clock::now() >= until) break;
+      ::sched_yield();  // a thread of this core that has work goes first
+    }
+    ready_.end_polling();
+    return n > 0 ? n : net::ReadySet::kNothing;
   }
 
   // This thread holds `c` (its one-shot registration fired): read what is there, deliver it,
@@ -1209,7 +1217,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     ev.events = kReadEvents;
     ev.data.u64 = c->token;
     net::handoff_release(c.get());
-    if (::epoll_ctl(epfd_, EPOLL_CTL_MOD, c->fd, &ev) < 0) {
+    if (::epoll_ctl(ready_.fd(), EPOLL_CTL_MOD, c->fd, &ev) < 0) {
       if (!stopping_.load()) lose(c, "cannot watch the socket again: " + errno_text(errno));
       return;
     }
@@ -1224,14 +1232,20 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // A caller waiting for a reply reads the epoll set itself, without blocking: when the reply
   // is there, no reading thread has to wake up and hand it over (one kernel wake-up less per
   // small call: about a third of its latency on loopback). The one-shot registration gives a
-  // ready connection to exactly one of the caller and the reading threads; a reading thread
-  // woken for it finds nothing and waits again. Requests read here go to the pool; control
-  // messages run here (InlineTask::run_library_here()).
+  // ready connection to exactly one of the caller and the reading threads, and while the caller
+  // polls no sleeping reading thread is woken for readiness (net/ready_set.hpp); one that was
+  // polling stops. Requests read here go to the pool; control messages run here
+  // (InlineTask::run_library_here()).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+    ready_.begin_polling();
+    struct Unpoll {
+      net::ReadySet& set;
+      ~Unpoll() { set.end_polling(); }
+    } unpoll{ready_};
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
            std::chrono::steady_clock::now() < until) {
       epoll_event ev{};
-      if (::epoll_wait(epfd_, &ev, 1, 0) != 1 || ev.data.u64 == 0) {
+      if (ready_.poll(ev) != 1 || ev.data.u64 == 0) {
         ::sched_yield();  // the peer may need this core to answer
         continue;
       }
@@ -1543,11 +1557,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
   bool shut_down_ = false;
   std::thread listen_thread_;
   std::vector<BoundedThread> read_threads_;
-  int epfd_ = -1;                 // the reading threads' epoll set (one-shot registrations)
-  int wakefd_ = -1;               // written once at shutdown: wakes every reading thread to exit
+  net::ReadySet ready_{"distrpc tcp"};  // the connections' readiness (one-shot registrations)
   std::uint64_t next_token_ = 0;  // under mu_
   std::unordered_map<std::uint64_t, std::shared_ptr<Connection>> by_token_;  // under mu_
   std::atomic<int> inline_running_{0};  // reading threads now running a handed-back task
+  const int spin_us_ = net::spin_us_from_env("DISTRPC_TCP_SPIN_US", kDefaultSpinUs);
 };
 
 }  // namespace tcp::detail

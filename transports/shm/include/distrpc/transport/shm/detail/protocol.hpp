@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "distrpc/net/spin.hpp"
 #include "distrpc/transport/shm/system.hpp"
 #include "distrpc/wire/errors.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -47,17 +48,7 @@ struct AckPacket {
   std::uint32_t version;
 };
 
-inline int spin_us_from_env() {
-  const char* v = std::getenv("DISTRPC_SHM_SPIN_US");
-  if (!v || !*v) return kDefaultSpinUs;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0 || n > 1000000) {
-    throw std::invalid_argument(std::string("DISTRPC_SHM_SPIN_US='") + v +
-                                "' is not a number of microseconds in 0..1000000");
-  }
-  return static_cast<int>(n);
-}
+inline int spin_us_from_env() { return net::spin_us_from_env("DISTRPC_SHM_SPIN_US", kDefaultSpinUs); }
 
 inline wire::Limits hello_limits() {
   wire::Limits l;

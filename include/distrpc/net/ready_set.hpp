@@ -1,0 +1,153 @@
+// The epoll set a transport's reading threads share, read two ways: by threads that sleep until
+// a connection is ready, and by threads that poll it without sleeping (a reading thread right
+// after a message, a caller waiting for its reply). While anyone polls, no sleeping thread is
+// woken for readiness: on a virtual machine such a wake-up costs the sender an interrupt to
+// another core and the woken thread tens of microseconds, only to find that the poller took the
+// connection first.
+//
+// How: connections are registered one-shot in the inner set (fd()); pollers read the inner set
+// directly; sleepers wait on an outer set that holds the inner one (one-shot too) and a stop
+// eventfd. The first poller disarms the inner set's registration in the outer one and the last
+// one re-arms it, so sleepers hear nothing while polling goes on; a sleeper that woke takes one
+// connection from the inner set and re-arms the outer registration (unless someone polls), so a
+// second ready connection wakes the other sleeper.
+#pragma once
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "distrpc/error.hpp"
+#include "distrpc/log.hpp"
+#include "distrpc/net/errno_text.hpp"
+
+namespace distrpc::net {
+
+class ReadySet {
+ public:
+  // What wait() and poll() return besides 1 (an event, in `ev`).
+  static constexpr int kNothing = 0;   // nothing taken: look again
+  static constexpr int kStopped = -2;  // stop() was called
+  // `who` names the owner in the text of errors and log lines (e.g. "distrpc tcp").
+  explicit ReadySet(std::string who) : who_(std::move(who)) {
+    inner_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (inner_ < 0) fail(errno);
+    outer_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (outer_ < 0) fail(errno);
+    stopfd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (stopfd_ < 0) fail(errno);
+    // Level-triggered and never drained: once written, it wakes every sleeper, for good.
+    epoll_event stop{EPOLLIN, {.u64 = kStopKey}};
+    if (::epoll_ctl(outer_, EPOLL_CTL_ADD, stopfd_, &stop) < 0) fail(errno);
+    epoll_event in{EPOLLIN | EPOLLONESHOT, {.u64 = kInnerKey}};
+    if (::epoll_ctl(outer_, EPOLL_CTL_ADD, inner_, &in) < 0) fail(errno);
+  }
+  ~ReadySet() { close_all(); }
+  ReadySet(const ReadySet&) = delete;
+  ReadySet& operator=(const ReadySet&) = delete;
+
+  // The inner set: connections are added and re-armed here (one-shot), with a nonzero data.u64.
+  int fd() const { return inner_; }
+
+  // Sleeps until a connection is ready and nobody polls, then takes it: 1 (in `ev`), kNothing
+  // (someone else took it, or EINTR: call again), kStopped, or -1 with errno set.
+  int wait(epoll_event& ev) {
+    epoll_event outer{};
+    const int n = ::epoll_wait(outer_, &outer, 1, -1);
+    if (n < 0) return errno == EINTR ? kNothing : -1;
+    if (n == 0) return kNothing;
+    if (outer.data.u64 == kStopKey) return kStopped;
+    // The outer registration fired and is off now (one-shot): take one connection, then turn
+    // it back on so that another ready connection wakes another sleeper.
+    const int got = ::epoll_wait(inner_, &ev, 1, 0);
+    const int err = errno;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (pollers_.load(std::memory_order_relaxed) == 0) arm(true);
+    }
+    if (got < 0) {
+      errno = err;
+      return err == EINTR ? kNothing : -1;
+    }
+    return got == 1 ? 1 : kNothing;
+  }
+
+  // Takes a ready connection without sleeping: 1 (in `ev`), else kNothing (or -1 with errno).
+  // Only between begin_polling() (or a true try_begin_polling()) and end_polling().
+  int poll(epoll_event& ev) {
+    const int n = ::epoll_wait(inner_, &ev, 1, 0);
+    if (n < 0) return errno == EINTR ? kNothing : -1;
+    return n;
+  }
+
+  // A caller that will poll whatever others do (a thread waiting for its reply).
+  void begin_polling() {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pollers_.fetch_add(1, std::memory_order_relaxed) == 0) arm(false);
+  }
+  // A reading thread polls only when nobody else does: false (and nothing changed) otherwise.
+  bool try_begin_polling() {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pollers_.load(std::memory_order_relaxed) != 0) return false;
+    pollers_.store(1, std::memory_order_relaxed);
+    arm(false);
+    return true;
+  }
+  void end_polling() {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pollers_.fetch_sub(1, std::memory_order_relaxed) == 1) arm(true);
+  }
+  // How many threads poll now (a reading thread stops when it is no longer the only one).
+  int pollers() const { return pollers_.load(std::memory_order_relaxed); }
+
+  // Wakes every sleeper now and from now on (wait() returns kStopped). Idempotent.
+  void stop() {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto w = ::write(stopfd_, &one, sizeof one);
+  }
+
+ private:
+  static constexpr std::uint64_t kStopKey = 0;
+  static constexpr std::uint64_t kInnerKey = 1;
+
+  // Turns the sleepers' view of the inner set on (they wake when it holds a ready connection;
+  // at once if it holds one now) or off. Under mu_. A failure leaves sleepers deaf to new
+  // connections' readiness, so it is logged; it cannot happen short of the kernel running out of
+  // memory (the registration exists for the life of the set).
+  void arm(bool on) {
+    epoll_event ev{on ? static_cast<std::uint32_t>(EPOLLIN | EPOLLONESHOT) : 0u,
+                   {.u64 = kInnerKey}};
+    if (::epoll_ctl(outer_, EPOLL_CTL_MOD, inner_, &ev) < 0) {
+      distrpc::detail::log_error(who_, "cannot " + std::string(on ? "re-arm" : "quiet") +
+                                           " the reading threads' epoll set: " + errno_text(errno));
+    }
+  }
+
+  [[noreturn]] void fail(int err) {
+    close_all();
+    throw DistNetworkError(who_ +
+                           ": cannot make the reading threads' epoll set: " + errno_text(err));
+  }
+
+  void close_all() {
+    for (int* fd : {&stopfd_, &outer_, &inner_}) {
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+  }
+
+  std::string who_;
+  int inner_ = -1;   // connections, one-shot
+  int outer_ = -1;   // the inner set (one-shot, off while anyone polls) and stopfd_
+  int stopfd_ = -1;  // written by stop()
+  std::mutex mu_;    // orders arm() with the pollers_ count
+  std::atomic<int> pollers_{0};
+};
+
+}  // namespace distrpc::net
