@@ -811,3 +811,5 @@ DISTRPC_CONFORMANCE("a stream whose first task blocks is still read and delivere
                     blocked_stream_scenario)
 DISTRPC_CONFORMANCE("drive() reads on the waiting thread, never runs a task there, and hands back",
                     distrpc::testing::driven_reply_scenario)
+DISTRPC_CONFORMANCE("a task run by a thread in drive() may wait for a message: it is still read",
+                    distrpc::testing::driven_task_waits_scenario)

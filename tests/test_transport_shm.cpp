@@ -378,7 +378,7 @@ TEST_CASE("shm: an idle connected pair uses almost no CPU") {
   ShmNode a(0), b(1);
   introduce(a, 0, b, 1);
   exchange_a_while(a, b);
-  const double pct = distrpc::testing::idle_cpu_percent(300ms);  // past the spin after activity
+  const double pct = distrpc::testing::cpu_percent_in_a_second(300ms);  // past the spin after activity
   MESSAGE("idle CPU of a connected pair (two contexts, this whole process): " << pct
                                                                               << " % of one core");
   CHECK(pct < 10.0);

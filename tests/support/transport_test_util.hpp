@@ -143,10 +143,10 @@ inline double process_cpu_seconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
-// The CPU this whole process uses in one second (percent of one core), starting `settle` after
-// its last activity: what an idle transport costs once any polling after activity is over.
-inline double idle_cpu_percent(std::chrono::milliseconds settle) {
-  std::this_thread::sleep_for(settle);
+// The CPU this whole process uses in the second that starts `after` from now, in percent of one
+// core: what a transport costs while its threads poll, or once they sleep.
+inline double cpu_percent_in_a_second(std::chrono::milliseconds after) {
+  std::this_thread::sleep_for(after);
   const double c0 = process_cpu_seconds();
   const auto t0 = std::chrono::steady_clock::now();
   std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -581,6 +581,77 @@ void driven_reply_scenario() {
   b->shutdown();
   a.ctx->shutdown();
   for (auto& t : queued) t();
+}
+
+// drive() again: a library task that the waiting thread runs for what it read
+// (run_library_here()) may itself wait, for long, for another message. The policy's own threads
+// must read that message meanwhile: a driving thread busy with a task must not keep them from
+// reading. As above, which thread reads the first message is a race; attempts go on (up to 20)
+// until the driving thread ran the task, and every attempt must see the second message arrive.
+template <class P>
+void driven_task_waits_scenario() {
+  using Clock = std::chrono::steady_clock;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::set<std::uint64_t> delivered;
+  std::map<std::uint64_t, bool> on_driver;  // a waiting task's id -> it ran on the driving thread
+  std::map<std::uint64_t, bool> saw_next;   // a waiting task's id -> the next message came
+  std::vector<std::thread> elsewhere;       // tasks the policy passed to the fallback
+  transport::TransportCallbacks cb;
+  cb.on_message = [&](int, wire::Message&& m) {
+    const std::uint64_t id = m.id;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      delivered.insert(id);
+    }
+    cv.notify_all();
+    if (m.payload != "wait") return;
+    std::function<void()> task = [&, id] {
+      std::unique_lock<std::mutex> lk(mu);
+      on_driver[id] = transport::in_wait_driver();
+      cv.notify_all();
+      saw_next[id] = cv.wait_for(lk, 5s, [&] { return delivered.count(id + 1) == 1; });
+      cv.notify_all();
+    };
+    const std::function<bool(std::function<void()>)> fallback = [&](std::function<void()> t) {
+      std::lock_guard<std::mutex> lk(mu);
+      elsewhere.emplace_back(std::move(t));
+      return true;
+    };
+    if (!transport::offer_inline_library(task, fallback)) fallback(std::move(task));
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  NodeOf<P> a(0);
+  auto b = receiver_for(a, cb);
+  bool ran_on_driver = false;
+  for (std::uint64_t attempt = 0; attempt < 20 && !ran_on_driver; ++attempt) {
+    const std::uint64_t id = 2 * attempt + 1;
+    std::thread sender([&] {
+      std::this_thread::sleep_for(20ms);  // the test thread is in drive() by then
+      a.ctx->send(1, make_message(wire::MessageType::Response, id, "wait"));
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait_for(lk, 10s, [&] { return on_driver.count(id) == 1; });  // the task waits now
+      }
+      a.ctx->send(1, make_message(wire::MessageType::Response, id + 1, "next"));
+    });
+    b->drive(
+        [&] {
+          std::lock_guard<std::mutex> lk(mu);
+          return saw_next.count(id) == 1;
+        },
+        Clock::now() + 10s);
+    sender.join();
+    std::unique_lock<std::mutex> lk(mu);
+    REQUIRE(cv.wait_for(lk, 10s, [&] { return saw_next.count(id) == 1; }));
+    CAPTURE(attempt);
+    CHECK(saw_next[id]);  // the second message was read while the task waited for it
+    ran_on_driver = on_driver[id];
+  }
+  CHECK(ran_on_driver);
+  b->shutdown();
+  a.ctx->shutdown();
+  for (auto& t : elsewhere) t.join();
 }
 
 // The transport contract (transport.hpp): a peer whose messages already arrive cannot be

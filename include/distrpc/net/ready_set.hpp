@@ -7,10 +7,16 @@
 //
 // How: connections are registered one-shot in the inner set (fd()); pollers read the inner set
 // directly; sleepers wait on an outer set that holds the inner one (one-shot too) and a stop
-// eventfd. The first poller disarms the inner set's registration in the outer one and the last
-// one re-arms it, so sleepers hear nothing while polling goes on; a sleeper that woke takes one
-// connection from the inner set and re-arms the outer registration (unless someone polls), so a
-// second ready connection wakes the other sleeper.
+// eventfd. The first poller switches the inner set's registration in the outer one off and
+// the last one switches it on again, so sleepers hear nothing while polling goes on; a sleeper
+// that woke takes one connection from the inner set and switches the registration on again (when
+// it should be on), so a second ready connection wakes the other sleeper.
+//
+// A poller that took a connection may then be busy for long (a caller running a task for what it
+// read), or be preempted. Sleepers do not sleep forever: every kWatch they look whether anyone
+// polled within kStale; if not, they listen again until a poller polls again. So a stalled
+// poller delays the other connections by kWatch at most, and a short task costs no sleeper a
+// wake-up (a timer per task would: programming one costs a virtual machine tens of microseconds).
 #pragma once
 
 #include <sys/epoll.h>
@@ -19,6 +25,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -34,6 +41,11 @@ class ReadySet {
   // What wait() and poll() return besides 1 (an event, in `ev`).
   static constexpr int kNothing = 0;   // nothing taken: look again
   static constexpr int kStopped = -2;  // stop() was called
+  // How often sleepers look whether the pollers still poll, and how long without a poll means
+  // they do not (busy with what they took, or preempted).
+  static constexpr int kWatchMs = 50;
+  static constexpr std::chrono::milliseconds kStale{1};
+
   // `who` names the owner in the text of errors and log lines (e.g. "distrpc tcp").
   explicit ReadySet(std::string who) : who_(std::move(who)) {
     inner_ = ::epoll_create1(EPOLL_CLOEXEC);
@@ -55,21 +67,29 @@ class ReadySet {
   // The inner set: connections are added and re-armed here (one-shot), with a nonzero data.u64.
   int fd() const { return inner_; }
 
-  // Sleeps until a connection is ready and nobody polls, then takes it: 1 (in `ev`), kNothing
-  // (someone else took it, or EINTR: call again), kStopped, or -1 with errno set.
+  // Sleeps until a connection is ready and nobody polls (or the pollers stopped polling: see
+  // above), then takes it: 1 (in `ev`), kNothing (someone else took it, a look at the pollers,
+  // or EINTR: call again), kStopped, or -1 with errno set.
   int wait(epoll_event& ev) {
     epoll_event outer{};
-    const int n = ::epoll_wait(outer_, &outer, 1, -1);
+    // Once the outer registration could not be switched (see arm()), sleepers look at the inner
+    // set every millisecond instead of relying on it.
+    const bool deaf = deaf_.load(std::memory_order_relaxed);
+    const int n = ::epoll_wait(outer_, &outer, 1, deaf ? 1 : kWatchMs);
     if (n < 0) return errno == EINTR ? kNothing : -1;
-    if (n == 0) return kNothing;
+    if (n == 0) {
+      if (deaf) return ::epoll_wait(inner_, &ev, 1, 0) == 1 ? 1 : kNothing;
+      watch_pollers();
+      return kNothing;
+    }
     if (outer.data.u64 == kStopKey) return kStopped;
     // The outer registration fired and is off now (one-shot): take one connection, then turn
-    // it back on so that another ready connection wakes another sleeper.
+    // it back on (when it should be on) so that another ready connection wakes another sleeper.
     const int got = ::epoll_wait(inner_, &ev, 1, 0);
     const int err = errno;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (pollers_.load(std::memory_order_relaxed) == 0) arm(true);
+      if (sleepers_listen()) arm(true);
     }
     if (got < 0) {
       errno = err;
@@ -81,13 +101,17 @@ class ReadySet {
   // Takes a ready connection without sleeping: 1 (in `ev`), else kNothing (or -1 with errno).
   // Only between begin_polling() (or a true try_begin_polling()) and end_polling().
   int poll(epoll_event& ev) {
+    last_poll_.store(now_ns(), std::memory_order_relaxed);
+    if (overdue_.load(std::memory_order_relaxed)) resume();
     const int n = ::epoll_wait(inner_, &ev, 1, 0);
     if (n < 0) return errno == EINTR ? kNothing : -1;
     return n;
   }
 
-  // A caller that will poll whatever others do (a thread waiting for its reply).
+  // A caller that will poll whatever others do (a thread waiting for its reply), until
+  // end_polling(); it may handle what it took in between (see above).
   void begin_polling() {
+    last_poll_.store(now_ns(), std::memory_order_relaxed);
     std::lock_guard<std::mutex> lk(mu_);
     if (pollers_.fetch_add(1, std::memory_order_relaxed) == 0) arm(false);
   }
@@ -95,16 +119,32 @@ class ReadySet {
   bool try_begin_polling() {
     std::lock_guard<std::mutex> lk(mu_);
     if (pollers_.load(std::memory_order_relaxed) != 0) return false;
+    last_poll_.store(now_ns(), std::memory_order_relaxed);
     pollers_.store(1, std::memory_order_relaxed);
     arm(false);
     return true;
   }
   void end_polling() {
     std::lock_guard<std::mutex> lk(mu_);
-    if (pollers_.fetch_sub(1, std::memory_order_relaxed) == 1) arm(true);
+    if (pollers_.fetch_sub(1, std::memory_order_relaxed) == 1) {
+      overdue_.store(false, std::memory_order_relaxed);
+      arm(true);
+    }
   }
   // How many threads poll now (a reading thread stops when it is no longer the only one).
   int pollers() const { return pollers_.load(std::memory_order_relaxed); }
+
+  // begin_polling() ... end_polling() for a scope.
+  class Polling {
+   public:
+    explicit Polling(ReadySet& set) : set_(set) { set_.begin_polling(); }
+    ~Polling() { set_.end_polling(); }
+    Polling(const Polling&) = delete;
+    Polling& operator=(const Polling&) = delete;
+
+   private:
+    ReadySet& set_;
+  };
 
   // Wakes every sleeper now and from now on (wait() returns kStopped). Idempotent.
   void stop() {
@@ -116,16 +156,51 @@ class ReadySet {
   static constexpr std::uint64_t kStopKey = 0;
   static constexpr std::uint64_t kInnerKey = 1;
 
+  static std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  // Under mu_: whether sleepers should hear the inner set's readiness.
+  bool sleepers_listen() const {
+    return pollers_.load(std::memory_order_relaxed) == 0 ||
+           overdue_.load(std::memory_order_relaxed);
+  }
+  // On a sleeper, every kWatchMs: pollers that have not polled for kStale leave the set to the
+  // sleepers until one polls again.
+  void watch_pollers() {
+    const std::int64_t stale = std::chrono::duration_cast<std::chrono::nanoseconds>(kStale).count();
+    if (pollers_.load(std::memory_order_relaxed) == 0 ||
+        now_ns() - last_poll_.load(std::memory_order_relaxed) < stale) {
+      return;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pollers_.load(std::memory_order_relaxed) > 0 &&
+        !overdue_.exchange(true, std::memory_order_relaxed)) {
+      arm(true);
+    }
+  }
+  // A poller polls again after the sleepers took over: they stop listening.
+  void resume() {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pollers_.load(std::memory_order_relaxed) > 0 &&
+        overdue_.exchange(false, std::memory_order_relaxed)) {
+      arm(false);
+    }
+  }
+
   // Turns the sleepers' view of the inner set on (they wake when it holds a ready connection;
-  // at once if it holds one now) or off. Under mu_. A failure leaves sleepers deaf to new
-  // connections' readiness, so it is logged; it cannot happen short of the kernel running out of
-  // memory (the registration exists for the life of the set).
+  // at once if it holds one now) or off. Under mu_. It cannot fail short of the kernel running
+  // out of memory (the registration exists for the life of the set); if it does, sleepers could
+  // miss readiness, so from then on they poll every millisecond (wait()), and it is logged once.
   void arm(bool on) {
     epoll_event ev{on ? static_cast<std::uint32_t>(EPOLLIN | EPOLLONESHOT) : 0u,
                    {.u64 = kInnerKey}};
-    if (::epoll_ctl(outer_, EPOLL_CTL_MOD, inner_, &ev) < 0) {
+    if (::epoll_ctl(outer_, EPOLL_CTL_MOD, inner_, &ev) < 0 &&
+        !deaf_.exchange(true, std::memory_order_relaxed)) {
       distrpc::detail::log_error(who_, "cannot " + std::string(on ? "re-arm" : "quiet") +
-                                           " the reading threads' epoll set: " + errno_text(errno));
+                                           " the reading threads' epoll set (" + errno_text(errno) +
+                                           "): they poll every millisecond from now");
     }
   }
 
@@ -146,8 +221,11 @@ class ReadySet {
   int inner_ = -1;   // connections, one-shot
   int outer_ = -1;   // the inner set (one-shot, off while anyone polls) and stopfd_
   int stopfd_ = -1;  // written by stop()
-  std::mutex mu_;    // orders arm() with the pollers_ count
+  std::mutex mu_;    // orders arm() with the state below
   std::atomic<int> pollers_{0};
+  std::atomic<std::int64_t> last_poll_{0};  // steady_clock ns of the latest poll()
+  std::atomic<bool> overdue_{false};        // pollers stopped polling: sleepers listen
+  std::atomic<bool> deaf_{false};           // a switch failed: sleepers poll (wait())
 };
 
 }  // namespace distrpc::net

@@ -18,7 +18,8 @@ inline int spin_us_from_env(const char* var, int fallback) {
   if (!v || !*v) return fallback;
   char* end = nullptr;
   const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0 || n > 1000000) {
+  // strtol also takes leading blanks and a sign: a whole number is digits only.
+  if (*v < '0' || *v > '9' || *end != '\0' || n > 1000000) {
     throw std::invalid_argument(std::string(var) + "='" + v +
                                 "' is not a number of microseconds in 0..1000000");
   }

@@ -122,9 +122,9 @@ using Clock = std::chrono::steady_clock;
 
 // Bytes read per receive into a connection's buffer; several small frames fit in one read.
 inline constexpr std::size_t kReadBufferBytes = 64 * 1024;
-// Threads reading established connections, all blocked in epoll_wait on one epoll set with
-// one-shot registrations, so the kernel wakes one of them per ready connection and no thread
-// wakes another. Two, so one can run a request it read (leader/follower, transport.hpp
+// Threads reading established connections, one-shot registrations in one epoll set
+// (net::ReadySet), so the kernel hands a ready connection to one of them and no thread wakes
+// another for it. Two, so one can run a request it read (leader/follower, transport.hpp
 // InlineScope) while the other keeps reading: at most kReadThreads - 1 run tasks at a time.
 inline constexpr int kReadThreads = 2;
 // How long a reading thread that just handled a message keeps polling the epoll set (yielding
@@ -1237,11 +1237,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // polling stops. Requests read here go to the pool; control messages run here
   // (InlineTask::run_library_here()).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    ready_.begin_polling();
-    struct Unpoll {
-      net::ReadySet& set;
-      ~Unpoll() { set.end_polling(); }
-    } unpoll{ready_};
+    net::ReadySet::Polling polling(ready_);
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
            std::chrono::steady_clock::now() < until) {
       epoll_event ev{};
@@ -1250,6 +1246,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
         continue;
       }
       if (auto c = by_token(ev.data.u64)) {
+        // What it read may take long to handle (a library task: a backward pass this caller
+        // waits for); the reading threads then watch the other connections again after a while
+        // (net/ready_set.hpp).
         try {
           on_readable(c, /*run_inline=*/false);
         } catch (const std::exception& e) {
@@ -1259,6 +1258,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
       }
     }
   }
+
+
 
  private:
   // Reads until the socket is empty; false when the connection is gone. A task handed back is
