@@ -597,6 +597,14 @@ void driven_task_waits_scenario() {
   std::map<std::uint64_t, bool> on_driver;  // a waiting task's id -> it ran on the driving thread
   std::map<std::uint64_t, bool> saw_next;   // a waiting task's id -> the next message came
   std::vector<std::thread> elsewhere;       // tasks the policy passed to the fallback
+  struct JoinAll {
+    std::vector<std::thread>& threads;
+    ~JoinAll() {
+      for (auto& t : threads) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } join_all{elsewhere};  // also when a REQUIRE ends the scenario early
   transport::TransportCallbacks cb;
   cb.on_message = [&](int, wire::Message&& m) {
     const std::uint64_t id = m.id;
@@ -651,7 +659,6 @@ void driven_task_waits_scenario() {
   CHECK(ran_on_driver);
   b->shutdown();
   a.ctx->shutdown();
-  for (auto& t : elsewhere) t.join();
 }
 
 // The transport contract (transport.hpp): a peer whose messages already arrive cannot be

@@ -13,10 +13,12 @@
 // it should be on), so a second ready connection wakes the other sleeper.
 //
 // A poller that took a connection may then be busy for long (a caller running a task for what it
-// read), or be preempted. Sleepers do not sleep forever: every kWatch they look whether anyone
-// polled within kStale; if not, they listen again until a poller polls again. So a stalled
-// poller delays the other connections by kWatch at most, and a short task costs no sleeper a
+// read), or be preempted. Sleepers do not sleep forever: every 50 ms (Watch) they look whether
+// anyone polled within 1 ms; if not, they listen again until a poller polls again. So a stalled
+// poller delays the other connections by 50 ms at most, and a short task costs no sleeper a
 // wake-up (a timer per task would: programming one costs a virtual machine tens of microseconds).
+// A poller that waits again inside what it handles (a nested poll on the same thread) hands the
+// set to the sleepers at once when that inner wait ends, since the outer one is busy.
 #pragma once
 
 #include <sys/epoll.h>
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
@@ -42,12 +45,15 @@ class ReadySet {
   static constexpr int kNothing = 0;   // nothing taken: look again
   static constexpr int kStopped = -2;  // stop() was called
   // How often sleepers look whether the pollers still poll, and how long without a poll means
-  // they do not (busy with what they took, or preempted).
-  static constexpr int kWatchMs = 50;
-  static constexpr std::chrono::milliseconds kStale{1};
+  // they do not (busy with what they took, or preempted). Tests choose others.
+  struct Watch {
+    int every_ms = 50;
+    std::chrono::milliseconds stale{1};
+  };
 
   // `who` names the owner in the text of errors and log lines (e.g. "distrpc tcp").
-  explicit ReadySet(std::string who) : who_(std::move(who)) {
+  explicit ReadySet(std::string who) : ReadySet(std::move(who), Watch{}) {}
+  ReadySet(std::string who, Watch watch) : who_(std::move(who)), watch_(watch) {
     inner_ = ::epoll_create1(EPOLL_CLOEXEC);
     if (inner_ < 0) fail(errno);
     outer_ = ::epoll_create1(EPOLL_CLOEXEC);
@@ -75,12 +81,18 @@ class ReadySet {
     // Once the outer registration could not be switched (see arm()), sleepers look at the inner
     // set every millisecond instead of relying on it.
     const bool deaf = deaf_.load(std::memory_order_relaxed);
-    const int n = ::epoll_wait(outer_, &outer, 1, deaf ? 1 : kWatchMs);
-    if (n < 0) return errno == EINTR ? kNothing : -1;
-    if (n == 0) {
-      if (deaf) return ::epoll_wait(inner_, &ev, 1, 0) == 1 ? 1 : kNothing;
+    const int n = ::epoll_wait(outer_, &outer, 1, deaf ? 1 : watch_.every_ms);
+    if (n < 0 && errno != EINTR) return -1;
+    if (n <= 0) {
+      // A timeout, or a signal (which must not postpone the look for good): look at the
+      // pollers, and take what is ready if sleepers should listen (also a safety net).
       watch_pollers();
-      return kNothing;
+      bool listen = deaf;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        listen = listen || sleepers_listen();
+      }
+      return listen && ::epoll_wait(inner_, &ev, 1, 0) == 1 ? 1 : kNothing;
     }
     if (outer.data.u64 == kStopKey) return kStopped;
     // The outer registration fired and is off now (one-shot): take one connection, then turn
@@ -112,6 +124,7 @@ class ReadySet {
   // end_polling(); it may handle what it took in between (see above).
   void begin_polling() {
     last_poll_.store(now_ns(), std::memory_order_relaxed);
+    polling_here().push_back(this);
     std::lock_guard<std::mutex> lk(mu_);
     if (pollers_.fetch_add(1, std::memory_order_relaxed) == 0) arm(false);
   }
@@ -121,13 +134,22 @@ class ReadySet {
     if (pollers_.load(std::memory_order_relaxed) != 0) return false;
     last_poll_.store(now_ns(), std::memory_order_relaxed);
     pollers_.store(1, std::memory_order_relaxed);
+    polling_here().push_back(this);
     arm(false);
     return true;
   }
   void end_polling() {
+    auto& here = polling_here();
+    if (!here.empty()) here.pop_back();
+    // Still polling this set further up this thread's stack: that poller is busy handling what
+    // it took (a nested wait inside a task it runs), so sleepers listen until it polls again.
+    bool outer_busy = false;
+    for (const ReadySet* s : here) outer_busy = outer_busy || s == this;
     std::lock_guard<std::mutex> lk(mu_);
     if (pollers_.fetch_sub(1, std::memory_order_relaxed) == 1) {
       overdue_.store(false, std::memory_order_relaxed);
+      arm(true);
+    } else if (outer_busy && !overdue_.exchange(true, std::memory_order_relaxed)) {
       arm(true);
     }
   }
@@ -156,6 +178,11 @@ class ReadySet {
   static constexpr std::uint64_t kStopKey = 0;
   static constexpr std::uint64_t kInnerKey = 1;
 
+  // The sets this thread polls, innermost last (a wait nested in a task a poller runs).
+  static std::vector<const ReadySet*>& polling_here() {
+    thread_local std::vector<const ReadySet*> sets;
+    return sets;
+  }
   static std::int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
@@ -166,19 +193,19 @@ class ReadySet {
     return pollers_.load(std::memory_order_relaxed) == 0 ||
            overdue_.load(std::memory_order_relaxed);
   }
-  // On a sleeper, every kWatchMs: pollers that have not polled for kStale leave the set to the
-  // sleepers until one polls again.
+  // On a sleeper, every Watch::every_ms: pollers that have not polled for Watch::stale leave the
+  // set to the sleepers until one polls again.
   void watch_pollers() {
-    const std::int64_t stale = std::chrono::duration_cast<std::chrono::nanoseconds>(kStale).count();
-    if (pollers_.load(std::memory_order_relaxed) == 0 ||
-        now_ns() - last_poll_.load(std::memory_order_relaxed) < stale) {
-      return;
-    }
+    const std::int64_t stale =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(watch_.stale).count();
+    const auto is_stale = [&] {
+      return pollers_.load(std::memory_order_relaxed) > 0 &&
+             now_ns() - last_poll_.load(std::memory_order_relaxed) >= stale;
+    };
+    if (!is_stale()) return;
     std::lock_guard<std::mutex> lk(mu_);
-    if (pollers_.load(std::memory_order_relaxed) > 0 &&
-        !overdue_.exchange(true, std::memory_order_relaxed)) {
-      arm(true);
-    }
+    // Again under the lock: a poll() and its resume() may have come in between.
+    if (is_stale() && !overdue_.exchange(true, std::memory_order_relaxed)) arm(true);
   }
   // A poller polls again after the sleepers took over: they stop listening.
   void resume() {
@@ -196,10 +223,11 @@ class ReadySet {
   void arm(bool on) {
     epoll_event ev{on ? static_cast<std::uint32_t>(EPOLLIN | EPOLLONESHOT) : 0u,
                    {.u64 = kInnerKey}};
-    if (::epoll_ctl(outer_, EPOLL_CTL_MOD, inner_, &ev) < 0 &&
-        !deaf_.exchange(true, std::memory_order_relaxed)) {
+    if (::epoll_ctl(outer_, EPOLL_CTL_MOD, inner_, &ev) < 0) {
+      const int err = errno;
+      if (deaf_.exchange(true, std::memory_order_relaxed)) return;
       distrpc::detail::log_error(who_, "cannot " + std::string(on ? "re-arm" : "quiet") +
-                                           " the reading threads' epoll set (" + errno_text(errno) +
+                                           " the reading threads' epoll set (" + errno_text(err) +
                                            "): they poll every millisecond from now");
     }
   }
@@ -218,6 +246,7 @@ class ReadySet {
   }
 
   std::string who_;
+  Watch watch_;
   int inner_ = -1;   // connections, one-shot
   int outer_ = -1;   // the inner set (one-shot, off while anyone polls) and stopfd_
   int stopfd_ = -1;  // written by stop()
