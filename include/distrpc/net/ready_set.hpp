@@ -25,6 +25,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -143,8 +144,7 @@ class ReadySet {
     if (!here.empty()) here.pop_back();
     // Still polling this set further up this thread's stack: that poller is busy handling what
     // it took (a nested wait inside a task it runs), so sleepers listen until it polls again.
-    bool outer_busy = false;
-    for (const ReadySet* s : here) outer_busy = outer_busy || s == this;
+    const bool outer_busy = std::find(here.begin(), here.end(), this) != here.end();
     std::lock_guard<std::mutex> lk(mu_);
     if (pollers_.fetch_sub(1, std::memory_order_relaxed) == 1) {
       overdue_.store(false, std::memory_order_relaxed);

@@ -1174,7 +1174,6 @@ class Impl : public std::enable_shared_from_this<Impl> {
         distrpc::detail::log_error(log_who(), "tcp: epoll_wait failed: " + errno_text(errno));
         return;
       }
-      if (ev.data.u64 == 0) continue;
       if (auto c = by_token(ev.data.u64)) {
         handled = true;
         try {
@@ -1241,7 +1240,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
            std::chrono::steady_clock::now() < until) {
       epoll_event ev{};
-      if (ready_.poll(ev) != 1 || ev.data.u64 == 0) {
+      if (ready_.poll(ev) != 1) {
         ::sched_yield();  // the peer may need this core to answer
         continue;
       }
