@@ -213,6 +213,26 @@ TEST_CASE("DeviceDirect: a Transfer on the wire, and a lost peer's loans kept un
   }
 }
 
+TEST_CASE("DeviceDirect: a loan that never comes back takes half of shutdown's time, not all") {
+  Reset reset;
+  // `b` never releases what it receives and stays up, so nothing tells `a` that the loan is
+  // gone (as when the peer is shutting down too and dropped the Transfer unread).
+  DirectNode a(0);
+  NodeOf<Tcp> b(1);
+  a.ctx->add_peer(
+      1, "w1",
+      b.ctx->address() + std::string(dd::kAddressMark) + "pid=" + std::to_string(::getpid()));
+  a.ctx->send(1, make_message(MessageType::Response, 5, "r", {pattern_bytes(3000, 4)}));
+  REQUIRE(b.inbox.wait_messages(1));
+  REQUIRE(stats(a).lent == 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  a.ctx->shutdown(t0 + 2s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= 900ms);                 // it waited for the loan a while
+  CHECK(took < 1500ms);                 // and left the rest to the transport underneath
+  CHECK(HostChannel::lent_now() == 0);  // returned at shutdown
+}
+
 TEST_CASE("DeviceDirect: a Release to a sender not registered yet goes once it is") {
   Reset reset;
   DirectNode a(0), b(1);

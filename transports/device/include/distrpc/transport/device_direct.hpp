@@ -26,10 +26,11 @@
 // waits for a timeout). A lost peer's loans are not returned at once: a receiver that read the
 // Transfer before the connection broke may still be copying, and memory returned to the
 // allocator could be reused under it. They are returned when that worker is registered again,
-// after kOrphanGrace (10 s), or at shutdown. Shutdown first waits (within its deadline) for the
-// loans still out to come back. What the channel opened for a lost peer is closed after its queued
-// messages were handed over, on the receiving thread. A Release that cannot be sent yet (the
-// sender is not registered here: messages may arrive before add_peer) is sent once it is.
+// after kOrphanGrace (10 s), or at shutdown. Shutdown first waits (for half the time it is
+// given) for the loans still out to come back. What the channel opened for a lost peer is
+// closed after its queued messages were handed over, on the receiving thread. A Release that
+// cannot be sent yet (the sender is not registered here: messages may arrive before add_peer)
+// is sent once it is.
 //
 // One receiving thread serves every peer, and its queue is not bounded: a Transfer whose
 // producer's stream never reaches its event holds up the GPU messages of every peer (the channel
@@ -341,14 +342,19 @@ struct DeviceDirect {
       }
     }
 
-    // Idempotent. Waits (until `deadline`) for the loans still out to come back, then stops T
-    // and the receiving thread; loans still out then are returned, queued messages dropped.
+    // Idempotent. Waits (for half the time left until `deadline`) for the loans still out to
+    // come back, then stops T and the receiving thread; loans still out then are returned,
+    // queued messages dropped. Half, because a loan may never come back before T notices that
+    // its peer is gone (a peer shutting down at the same time drops the Transfers it queued),
+    // and T needs the rest to stop its own threads.
     std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (shut_down_) return 0;
         shut_down_ = true;
-        cv_.wait_until(lk, deadline, [&] { return stats_.lent == 0; });
+        const auto now = Clock::now();
+        const auto loans_until = deadline > now ? now + (deadline - now) / 2 : deadline;
+        cv_.wait_until(lk, loans_until, [&] { return stats_.lent == 0; });
         // The receiving thread takes nothing more (no import for a worker that is going away),
         // and what T still delivers while it stops is dropped.
         stopping_ = true;
