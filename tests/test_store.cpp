@@ -35,6 +35,7 @@
 #include "distrpc/wire/auth.hpp"
 #include "multiprocess.hpp"
 #include "support/error_text.hpp"
+#include "support/scoped_env.hpp"
 #include "support/tls_certs.hpp"
 
 namespace ds = distrpc::store;
@@ -47,6 +48,7 @@ namespace {
 namespace fs = std::filesystem;
 
 using distrpc::testing::contains;
+using distrpc::testing::ScopedEnv;
 
 milliseconds since(Clock::time_point t0) {
   return std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
@@ -1063,35 +1065,6 @@ TEST_CASE("FileStore: the last of world_size objects removes the file; world_siz
 
 namespace {
 
-// Sets or unsets environment variables for one scope, restoring what was there.
-class EnvGuard {
- public:
-  void set(const char* name, const char* value) {
-    remember(name);
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
-      if (it->second) {
-        ::setenv(it->first.c_str(), it->second->c_str(), 1);
-      } else {
-        ::unsetenv(it->first.c_str());
-      }
-    }
-  }
-
- private:
-  void remember(const char* name) {
-    const char* old = std::getenv(name);
-    saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
-  }
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
 std::string rendezvous_error(const std::string& url, int rank = 0, int world = 1) {
   return thrown_text<distrpc::DistError>([&] { ds::rendezvous(url, rank, world, 1s); });
 }
@@ -1141,7 +1114,7 @@ TEST_CASE("rendezvous: rank and world size from arguments or the URL, checked") 
 }
 
 TEST_CASE("rendezvous: env:// names the missing or bad variable") {
-  EnvGuard env;
+  ScopedEnv env;
   env.set("MASTER_ADDR", nullptr);
   env.set("MASTER_PORT", nullptr);
   env.set("RANK", nullptr);
@@ -1173,7 +1146,7 @@ TEST_CASE(
     "rendezvous: env:// under torchrun's agent store joins it as a client, under its prefix") {
   // The store torchrun's elastic agent hosts (played here by ours: the protocol is c10d's).
   ds::TCPStore agent("127.0.0.1", 0, -1, true, 10s);
-  EnvGuard env;
+  ScopedEnv env;
   env.set("MASTER_ADDR", "127.0.0.1");
   env.set("MASTER_PORT", std::to_string(agent.port()).c_str());
   env.set("RANK", nullptr);
@@ -1205,7 +1178,7 @@ TEST_CASE(
 }
 
 TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
-  EnvGuard env;
+  ScopedEnv env;
   const char* all[] = {"RANK",
                        "WORLD_SIZE",
                        "LOCAL_RANK",
@@ -1541,23 +1514,8 @@ std::vector<std::uint8_t> store_challenge(const distrpc::wire::auth::Nonce& nonc
 }
 
 // The process environment's secret variables, cleared while alive and restored after.
-class NoSecretEnv {
- public:
-  NoSecretEnv() {
-    for (const char* v : {distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv}) {
-      if (const char* s = std::getenv(v)) saved_.emplace_back(v, s);
-      ::unsetenv(v);
-    }
-  }
-  ~NoSecretEnv() {
-    for (const char* v : {distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv}) {
-      ::unsetenv(v);
-    }
-    for (const auto& [k, v] : saved_) ::setenv(k.c_str(), v.c_str(), 1);
-  }
-
- private:
-  std::vector<std::pair<std::string, std::string>> saved_;
+struct NoSecretEnv : ScopedEnv {
+  NoSecretEnv() : ScopedEnv{distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv} {}
 };
 
 }  // namespace
@@ -1772,7 +1730,7 @@ TEST_CASE("auth: the rendezvous store takes the secret it is given, on both URL 
   CHECK(contains(wrong, "failed: it answered our challenge with a wrong proof"));
 
   // env:// joins as a client with the same secret.
-  EnvGuard vars;
+  ScopedEnv vars;
   vars.set("MASTER_ADDR", "127.0.0.1");
   vars.set("MASTER_PORT", std::to_string(port).c_str());
   vars.set("TORCHELASTIC_USE_AGENT_STORE", nullptr);
@@ -1788,23 +1746,10 @@ TEST_CASE("auth: the rendezvous store takes the secret it is given, on both URL 
 namespace {
 
 // The process environment's TLS variables, cleared while alive and restored after.
-class NoTlsEnv {
- public:
-  NoTlsEnv() {
-    for (const char* v : kVars) {
-      if (const char* s = std::getenv(v)) saved_.emplace_back(v, s);
-      ::unsetenv(v);
-    }
-  }
-  ~NoTlsEnv() {
-    for (const char* v : kVars) ::unsetenv(v);
-    for (const auto& [k, v] : saved_) ::setenv(k.c_str(), v.c_str(), 1);
-  }
-
- private:
-  static constexpr const char* kVars[] = {distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv,
-                                          distrpc::net::tls::kCaEnv};
-  std::vector<std::pair<std::string, std::string>> saved_;
+struct NoTlsEnv : ScopedEnv {
+  NoTlsEnv()
+      : ScopedEnv{distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv,
+                  distrpc::net::tls::kCaEnv} {}
 };
 
 ds::TCPStoreOptions tls_options(int port, bool master, const distrpc::TlsOptions& tls,

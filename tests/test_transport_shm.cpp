@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -560,9 +561,10 @@ TEST_CASE("auto: peers whose shm domain keys differ (forced) use tcp") {
   // "Another host", simulated: DISTRPC_TRANSPORT_DOMAIN_OVERRIDE_SHM gives every worker its own
   // shm domain ("{id}" is its id), so shm is not shared and the next candidate, tcp, is chosen.
   // Set before any context of this case exists and removed after construction.
-  ::setenv("DISTRPC_TRANSPORT_DOMAIN_OVERRIDE_SHM", "host-{id}", 1);
+  std::optional<distrpc::testing::ScopedEnv> override_shm(
+      std::in_place, "DISTRPC_TRANSPORT_DOMAIN_OVERRIDE_SHM", "host-{id}");
   NodeOf<AutoShmTcp> a(0), b(1);
-  ::unsetenv("DISTRPC_TRANSPORT_DOMAIN_OVERRIDE_SHM");
+  override_shm.reset();
   CHECK(contains(a.ctx->address(), "shm=override:host-0@"));
   CHECK(contains(b.ctx->address(), "shm=override:host-1@"));
   introduce(a, 0, b, 1);
