@@ -1515,7 +1515,8 @@ std::vector<std::uint8_t> store_challenge(const distrpc::wire::auth::Nonce& nonc
 
 // The process environment's secret variables, cleared while alive and restored after.
 struct NoSecretEnv : ScopedEnv {
-  NoSecretEnv() : ScopedEnv{distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv} {}
+  NoSecretEnv()
+      : ScopedEnv(unset, {distrpc::wire::auth::kSecretEnv, distrpc::wire::auth::kSecretFileEnv}) {}
 };
 
 }  // namespace
@@ -1748,8 +1749,8 @@ namespace {
 // The process environment's TLS variables, cleared while alive and restored after.
 struct NoTlsEnv : ScopedEnv {
   NoTlsEnv()
-      : ScopedEnv{distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv,
-                  distrpc::net::tls::kCaEnv} {}
+      : ScopedEnv(unset, {distrpc::net::tls::kCertEnv, distrpc::net::tls::kKeyEnv,
+                          distrpc::net::tls::kCaEnv}) {}
 };
 
 ds::TCPStoreOptions tls_options(int port, bool master, const distrpc::TlsOptions& tls,

@@ -18,9 +18,12 @@ class ScopedEnv {
   ScopedEnv() = default;
   // One variable set (or unset, for nullptr).
   ScopedEnv(const char* name, const char* value) { set(name, value); }
-  // These variables unset.
-  ScopedEnv(std::initializer_list<const char*> unset_names) {
-    for (const char* name : unset_names) set(name, nullptr);
+  // These variables unset: ScopedEnv(ScopedEnv::unset, {"A", "B"}). The tag keeps
+  // ScopedEnv{"NAME", "value"} from meaning this.
+  struct Unset {};
+  static constexpr Unset unset{};
+  ScopedEnv(Unset, std::initializer_list<const char*> names) {
+    for (const char* name : names) set(name, nullptr);
   }
   ~ScopedEnv() {
     for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
