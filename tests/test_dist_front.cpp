@@ -643,8 +643,7 @@ TEST_CASE("dist front: init_process_group's bad input, URLs and environment") {
           "Error initializing distrpc using env:// rendezvous: environment variable "
           "MASTER_PORT='port' is not an integer in 0..65535");
     port.set("0");
-    ScopedEnv rank("RANK", nullptr), slurm("SLURM_PROCID", nullptr),
-        ompi("OMPI_COMM_WORLD_RANK", nullptr);
+    ScopedEnv ranks(ScopedEnv::unset, {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"});
     CHECK(error_text<DistError>([] { dist::init_process_group("dummy", "env://", -1, 1); }) ==
           "Error initializing distrpc using env:// rendezvous: environment variable RANK "
           "expected, but not set (nor SLURM_PROCID or OMPI_COMM_WORLD_RANK, as srun and mpirun "

@@ -1114,11 +1114,7 @@ TEST_CASE("rendezvous: rank and world size from arguments or the URL, checked") 
 }
 
 TEST_CASE("rendezvous: env:// names the missing or bad variable") {
-  ScopedEnv env;
-  env.set("MASTER_ADDR", nullptr);
-  env.set("MASTER_PORT", nullptr);
-  env.set("RANK", nullptr);
-  env.set("WORLD_SIZE", nullptr);
+  ScopedEnv env(ScopedEnv::unset, {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"});
   CHECK(contains(rendezvous_error("env://"),
                  "environment variable MASTER_ADDR expected, but not set"));
   env.set("MASTER_ADDR", "127.0.0.1");
@@ -1178,20 +1174,11 @@ TEST_CASE(
 }
 
 TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
-  ScopedEnv env;
-  const char* all[] = {"RANK",
-                       "WORLD_SIZE",
-                       "LOCAL_RANK",
-                       "LOCAL_WORLD_SIZE",
-                       "SLURM_PROCID",
-                       "SLURM_NTASKS",
-                       "SLURM_LOCALID",
-                       "SLURM_NTASKS_PER_NODE",
-                       "OMPI_COMM_WORLD_RANK",
-                       "OMPI_COMM_WORLD_SIZE",
-                       "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE"};
-  for (const char* n : all) env.set(n, nullptr);
+  ScopedEnv env(
+      ScopedEnv::unset,
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+       "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"});
   env.set("MASTER_ADDR", "127.0.0.1");
   env.set("MASTER_PORT", "0");  // rank 0 hosts the store on a free port
 
