@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <doctest/doctest.h>
 
+#include <distrpc/device_future.hpp>
 #include <distrpc/rpc.hpp>
 #include <distrpc/torch_compat.hpp>
 #ifdef DISTRPC_HAVE_CUDART
@@ -23,6 +25,7 @@
 #endif
 
 #include "multiprocess.hpp"
+#include "support/fake_cuda.hpp"
 #include "support/rpc_test_util.hpp"
 #include "support/rpc_under_test.hpp"
 
@@ -65,6 +68,16 @@ at::Tensor devmap_slow_plus(at::Tensor t, int k) {
 // The same through the caller: worker1 asks worker0 for devmap_slow_plus(t, k), then adds one.
 at::Tensor devmap_nested_plus(at::Tensor t, int k) {
   return distrpc::rpc_sync<&devmap_slow_plus>("worker0", t, k) + 1;
+}
+
+// The id of the stream current on cuda:0 where this runs (0: the default stream).
+std::int64_t devmap_stream_id() {
+  return c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(c10::Device(c10::kCUDA, 0)).id();
+}
+// That id here and, called back from here, on worker0.
+std::pair<std::int64_t, std::int64_t> devmap_nested_stream_ids() {
+  const std::int64_t own = devmap_stream_id();
+  return {own, distrpc::rpc_sync<&devmap_stream_id>("worker0")};
 }
 
 }  // namespace devmap_test
@@ -228,6 +241,114 @@ DISTRPC_MP_TEST("devices: CPU maps route requests and responses; unmapped device
   distrpc::shutdown();
 }
 
+namespace {
+
+// The fake CUDA was asked, since `ops` were taken, to make the stream `waiter` on cuda:0 wait
+// for an event recorded on another stream, one of the pool: a future's value handed over.
+bool waited_for_pool_stream(const std::vector<distrpc::testing::Op>& ops, c10::StreamId waiter) {
+  for (const auto& b : ops) {
+    if (b.what != "block" || b.device != 0 || b.stream != waiter) continue;
+    for (const auto& r : ops) {
+      if (r.what == "record" && r.event == b.event && r.device == 0 && r.stream >= 100 &&
+          r.stream != waiter) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Whether the stand-in is in place; on a CUDA libtorch it is not, and the case says it skips (the
+// GPU cases cover streams there).
+bool stand_in_runs(const distrpc::testing::FakeCudaScope& cuda) {
+  if (!cuda.active()) MESSAGE("skipped: this libtorch has CUDA; the GPU cases cover streams there");
+  return cuda.active();
+}
+
+}  // namespace
+
+// Streams without a GPU: a stand-in CUDA implementation (tests/support/fake_cuda.hpp) gives both
+// processes two devices and numbered streams (pool streams from 100), so what the agent asks of
+// streams shows; the tensors sent are CPU ones. A CUDA libtorch has the real implementation: the
+// GPU cases below cover it there.
+DISTRPC_MP_TEST(
+    "devices: a worker with devices hands out call futures that carry them; requests run on the "
+    "request thread's streams (stand-in CUDA)",
+    2, 90) {
+  distrpc::testing::FakeCudaScope cuda;
+  if (!on_tcp() || !stand_in_runs(cuda)) return;
+  const c10::Device gpu0(c10::kCUDA, 0);
+  RpcBackendOptions o;
+  o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
+  if (ctx.rank == 0) o.set_device_map("worker0", {{0, 0}});  // calls to itself
+  init_at(ctx, "fake-streams", o);
+  CHECK(distrpc::get_devices() == std::vector<DeviceName>{DeviceName::cuda(0)});
+  if (ctx.rank == 0) {
+    (void)cuda.fake.take();
+    auto f = distrpc::rpc_async<&devmap_test::devmap_stream_id>("worker1");
+    CHECK(distrpc::future_devices(f) == std::vector<c10::Device>{gpu0});
+    // The callee ran the function on its request thread's current stream, the default one (GPU
+    // work of requests stays ordered there, as it was).
+    CHECK(f.value() == 0);
+    // Reading the value made this thread's current stream (the default one) wait for the event
+    // recorded on the pool stream where the reply was decoded.
+    CHECK(waited_for_pool_stream(cuda.fake.take(), 0));
+
+    // A caller working on a stream of its own: that stream waits, in rpc_sync too, and stays
+    // current.
+    const c10::Stream side = c10::impl::VirtualGuardImpl(c10::kCUDA).getStreamFromGlobalPool(gpu0);
+    {
+      const c10::StreamGuard on(side);
+      (void)cuda.fake.take();
+      CHECK(distrpc::rpc_sync<&devmap_test::devmap_stream_id>("worker1") == 0);
+      CHECK(waited_for_pool_stream(cuda.fake.take(), side.id()));
+      CHECK(devmap_test::devmap_stream_id() == side.id());
+    }
+
+    // A call to itself and a nested call (worker1 calls back into worker0) go the same way.
+    (void)cuda.fake.take();
+    auto self = distrpc::rpc_async<&devmap_test::devmap_stream_id>("worker0");
+    CHECK(distrpc::future_devices(self) == std::vector<c10::Device>{gpu0});
+    CHECK(self.value() == 0);
+    CHECK(waited_for_pool_stream(cuda.fake.take(), 0));
+    const auto [callee, back] =
+        distrpc::rpc_sync<&devmap_test::devmap_nested_stream_ids>("worker1");
+    CHECK(callee == 0);
+    CHECK(back == 0);
+    // CPU tensors travel as before, and an error reaches the future as before.
+    const at::Tensor x = at::arange(6, at::kFloat);
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", x), x));
+    CHECK(contains(distrpc::testing::error_of(
+                       [] { distrpc::rpc_sync<&devmap_test::devmap_meta_result>("worker1", 2); }),
+                   "Response device mapping is not available for destination worker0"));
+    CHECK(devmap_test::devmap_stream_id() == 0);  // this thread's streams are as they were
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "devices: a worker without devices hands out plain futures and asks nothing of streams "
+    "(stand-in CUDA)",
+    2, 90) {
+  distrpc::testing::FakeCudaScope cuda;
+  if (!on_tcp() || !stand_in_runs(cuda)) return;
+  init_at(ctx, "fake-no-devices", RpcBackendOptions{});
+  CHECK(distrpc::get_devices().empty());
+  if (ctx.rank == 0) {
+    (void)cuda.fake.take();
+    const int taken = cuda.fake.pool_streams_taken();
+    auto f = distrpc::rpc_async<&devmap_test::devmap_stream_id>("worker1");
+    CHECK(distrpc::future_devices(f).empty());
+    CHECK(f.value() == 0);
+    // Nothing was asked of streams or events here for the call.
+    CHECK(cuda.fake.take().empty());
+    CHECK(cuda.fake.pool_streams_taken() == taken);
+  }
+  distrpc::barrier();
+  distrpc::shutdown();
+}
+
 TEST_CASE("devices: a dynamic group refuses device maps before it joins") {
   RpcBackendOptions o;
   o.init_method = "file:///nonexistent-dir/never-used";
@@ -342,6 +463,7 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
   RpcBackendOptions o;
   o.init_method = distrpc::testing::file_url(ctx, "cuda-ipc");
   o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
+  if (ctx.rank == 0) o.set_device_map("worker0", {{0, 0}});  // calls to itself
   distrpc::init_rpc<Policy>(wname(ctx.rank), ctx.rank, ctx.world, o);
   auto agent = std::dynamic_pointer_cast<distrpc::Agent<Policy>>(distrpc::detail::current_agent());
   REQUIRE(agent);
@@ -360,6 +482,10 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
     const at::Tensor flags = x.gt(3);
     CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", flags), flags));
     CHECK(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", at::ones({3})).is_cpu());
+    // A call to itself: the callee gets a copy made on the GPU, finished before it reads it.
+    const at::Tensor mine = distrpc::rpc_sync<&devmap_test::devmap_slow_plus>("worker0", x, 2);
+    CHECK(mine.device() == gpu);
+    CHECK(at::equal(mine, x + 2));
     const auto s = agent->context().stats();
     CHECK(s.exported >= 24);  // every CUDA argument went through the channel
     CHECK(s.imported >= 24);  // and every CUDA result came back through it

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <doctest/doctest.h>
 
 #include <array>
@@ -21,6 +23,8 @@
 #include <unordered_map>
 #include <variant>
 #include <vector>
+
+#include "support/fake_cuda.hpp"
 
 namespace wire = distrpc::wire;
 
@@ -894,6 +898,31 @@ TEST_CASE("wire: the authenticated handshake, its refusals, a replay and a refle
                        wire::ProtocolError);
 }
 
+TEST_CASE(
+    "wire: a device buffer is marked in use on the stream current where it is decoded (stand-in "
+    "CUDA)") {
+  distrpc::testing::FakeCudaScope cuda;
+  if (!cuda.active()) {
+    MESSAGE("skipped: this libtorch has CUDA; the GPU cases cover device buffers there");
+    return;
+  }
+  // A float tensor's record moved to cuda:0, its bytes in a buffer that claims to be there (as a
+  // transport that moves device memory hands it over).
+  wire::Message m = encode_tensor(at::arange(4, at::kFloat));
+  patch(m.payload, kDevType, 1 | (0 << 8), 2);
+  m.buffers.at(0) = distrpc::testing::tensor_on<std::uint8_t>(distrpc::testing::gpu(0), 16);
+  const c10::Stream pool =
+      c10::impl::VirtualGuardImpl(c10::kCUDA).getStreamFromGlobalPool(distrpc::testing::gpu(0));
+  const c10::StreamGuard on(pool);
+  (void)cuda.fake.take();
+  at::Tensor t;
+  wire::decode(m, t);
+  CHECK(t.device() == distrpc::testing::gpu(0));
+  CHECK(t.sizes() == at::IntArrayRef{4});
+  // The allocator hears that the code reading it works on this thread's current stream.
+  CHECK(cuda.fake.take() == std::vector<distrpc::testing::Op>{{"in_use", 0, 0, pool.id()}});
+}
+
 TEST_CASE("wire: malformed tensor records are decode errors with a reason") {
   const wire::Message good = encode_tensor(at::arange(4, at::kFloat));
   REQUIRE(good.payload.size() == kRecordEnd);
@@ -946,7 +975,11 @@ TEST_CASE("wire: malformed tensor records are decode errors with a reason") {
   wire::Message float_buffer = good;
   float_buffer.buffers[0] = at::zeros({4}, at::kFloat);
   CHECK_ERROR(wire::DecodeError, wire::decode(float_buffer, t),
-              "buffer 0 is not a 1-D contiguous kByte CPU tensor");
+              "buffer 0 is not a 1-D contiguous kByte CPU or CUDA tensor");
+  wire::Message meta_buffer = good;
+  meta_buffer.buffers[0] = at::empty({16}, at::device(at::kMeta).dtype(at::kByte));
+  CHECK_ERROR(wire::DecodeError, wire::decode(meta_buffer, t),
+              "buffer 0 is not a 1-D contiguous kByte CPU or CUDA tensor");
   wire::Message extra = good;
   extra.buffers.push_back(at::empty({8}, at::kByte));
   CHECK_ERROR(wire::DecodeError, wire::decode(extra, t),

@@ -27,11 +27,14 @@
 #include <utility>
 #include <vector>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "distrpc/agent/call_table.hpp"
 #include "distrpc/agent/device_routes.hpp"
 #include "distrpc/agent/extension.hpp"
 #include "distrpc/agent/gather_table.hpp"
 #include "distrpc/agent/membership.hpp"
+#include "distrpc/device_future.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/log_c10.hpp"
@@ -169,7 +172,13 @@ class RpcAgent : public AgentServices,
     request.id = id;
     if (to.id == self().id) {
       // A call to self skips the transport but keeps value semantics: the callee gets copies.
-      detail_clone_buffers(request);
+      try {
+        detail_clone_buffers(request);
+      } catch (...) {
+        if (on_unsent) on_unsent();
+        fail_call(id, std::current_exception());
+        return fut;
+      }
       if (!dispatch_local(std::move(request))) {
         if (on_unsent) on_unsent();
         fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self().str() +
@@ -299,6 +308,9 @@ class RpcAgent : public AgentServices,
   // set, else those its own and its peers' maps name for it.
   DeviceMap device_map(const WorkerInfo& to) const { return device_routes_.map_to(to.id); }
   const std::vector<DeviceName>& devices() const { return device_routes_.devices(); }
+  // The same as c10 devices where this libtorch has streams for them: what the futures of this
+  // worker's typed calls synchronize on (agent/calls.hpp). Empty: none, or a CPU-only libtorch.
+  const std::vector<c10::Device>& stream_devices() const { return device_routes_.stream_devices(); }
 
   // The worker table is read: the requests held until now run, later ones run as they come.
   void open_for_requests() {
@@ -746,8 +758,28 @@ class RpcAgent : public AgentServices,
     }
   }
 
+  // A message to this worker itself keeps value semantics: the receiver gets copies. Device
+  // buffers (a policy that moves device memory leaves CUDA tensors on their device) are copied
+  // on this thread's current streams, which the receiver's streams do not wait for: this thread
+  // waits until those copies are done.
+  // The originals are kept until then: their memory may belong to another stream.
   static void detail_clone_buffers(wire::Message& m) {
-    for (auto& b : m.buffers) b = b.clone();
+    std::vector<c10::Device> devices;
+    std::vector<at::Tensor> originals;
+    for (auto& b : m.buffers) {
+      at::Tensor copy = b.clone();
+      if (!b.device().is_cpu()) {
+        if (std::find(devices.begin(), devices.end(), b.device()) == devices.end()) {
+          devices.push_back(b.device());
+        }
+        originals.push_back(std::move(b));
+      }
+      b = std::move(copy);
+    }
+    for (const c10::Device& d : devices) {
+      const c10::impl::VirtualGuardImpl impl(d.type());
+      impl.synchronizeStream(impl.getStream(d));
+    }
   }
 
   std::exception_ptr wrap_send_error(std::exception_ptr e, const WorkerInfo& to,
@@ -1020,7 +1052,12 @@ class RpcAgent : public AgentServices,
 
   void send_reply(int peer, wire::Message&& out) {
     if (peer == self().id) {
-      detail_clone_buffers(out);
+      try {
+        detail_clone_buffers(out);
+      } catch (...) {
+        fail_call(out.id, std::current_exception());  // the caller is here: it learns why
+        return;
+      }
       complete_call(peer, std::move(out));
       return;
     }

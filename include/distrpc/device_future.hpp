@@ -95,6 +95,15 @@ inline std::vector<c10::Device> checked_devices(std::vector<c10::Device> devices
   return devices;
 }
 
+// A stream from the pool of each of `devices` (all of one type, with a stream implementation).
+inline std::vector<c10::Stream> pool_streams(const c10::impl::VirtualGuardImpl& impl,
+                                             const std::vector<c10::Device>& devices) {
+  std::vector<c10::Stream> streams;
+  streams.reserve(devices.size());
+  for (const c10::Device& d : devices) streams.push_back(impl.getStreamFromGlobalPool(d));
+  return streams;
+}
+
 // The storages of the tensors a value holds (sparse tensors: their indices and values).
 class StorageCollector final : public TensorSink {
  public:
@@ -171,20 +180,15 @@ class DeviceSync final : public CompletionSync {
   }
 
   std::shared_ptr<void> enter() const override {
-    std::vector<c10::Stream> streams;
-    streams.reserve(devices_.size());
-    for (const c10::Device& d : devices_) streams.push_back(impl_.getStreamFromGlobalPool(d));
+    const std::vector<c10::Stream> streams = pool_streams(impl_, devices_);
     auto stream_on = [&](const c10::Device& d) {
       return *std::find_if(streams.begin(), streams.end(),
                            [&](const c10::Stream& s) { return s.device() == d; });
     };
-    c10::optional<c10::Device> device;
-    if (marks_) {
-      for (const c10::Event& e : marks_->events) e.block(stream_on(e.device()));
-      mark_in_use(stream_on);
-      device = marks_->device;
-    }
-    return std::make_shared<Scope>(device, streams);
+    if (!marks_) return std::make_shared<Scope>(c10::nullopt, streams);
+    for (const c10::Event& e : marks_->events) e.block(stream_on(e.device()));
+    mark_in_use(stream_on);
+    return std::make_shared<Scope>(marks_->device, streams);
   }
 
   std::shared_ptr<CompletionSync> fresh() const override {
@@ -228,6 +232,25 @@ class DeviceSync final : public CompletionSync {
 };
 
 }  // namespace detail
+
+// Makes a stream from the pool current on each of `devices` for its lifetime, and restores the
+// streams that were current; no devices: does nothing. A worker with devices decodes each reply
+// to its calls under it (agent/calls.hpp), so that the reply's copies and the events of the
+// future the caller gets are on streams no other work is queued on.
+// `devices`: of one type with a stream implementation, without repeats.
+class PoolStreamsScope {
+ public:
+  explicit PoolStreamsScope(const std::vector<c10::Device>& devices) {
+    if (devices.empty()) return;
+    guard_.emplace(
+        detail::pool_streams(c10::impl::VirtualGuardImpl(devices.front().type()), devices));
+  }
+  PoolStreamsScope(const PoolStreamsScope&) = delete;
+  PoolStreamsScope& operator=(const PoolStreamsScope&) = delete;
+
+ private:
+  c10::optional<c10::MultiStreamGuard> guard_;
+};
 
 // A pending future whose value is synchronized on `devices` (see the header comment); no devices,
 // or CPU ones (cpu:0): a plain future, as make_future<T>(). Throws std::invalid_argument for

@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <optional>
 
@@ -14,8 +15,11 @@
 
 namespace distrpc::compat {
 
-// CUDA devices this process sees: 0 on a CPU-only libtorch or without a GPU. Asked once (the
-// answer cannot change while the process runs, and the codec asks per tensor).
+// CUDA devices this process sees: 0 on a CPU-only libtorch or without a GPU. ATen's CUDA hooks
+// are asked once (the answer cannot change while the process runs, and the codec asks per
+// tensor). Where they see none, a CUDA implementation of c10's device interface registered at run
+// time (a stand-in for tests, on a CPU-only libtorch) is asked instead: the agent then takes its
+// streams from that implementation too.
 inline int cuda_device_count() {
   static const int count = [] {
     try {
@@ -24,7 +28,8 @@ inline int cuda_device_count() {
       return 0;  // a CUDA libtorch on a machine whose driver is missing
     }
   }();
-  return count;
+  if (count > 0 || !c10::impl::hasDeviceGuardImpl(c10::kCUDA)) return count;
+  return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
 }
 
 // Hooks registered on a tensor (Tensor::register_hook) run on the gradient its node receives.

@@ -14,6 +14,7 @@
 
 #include "distrpc/agent.hpp"
 #include "distrpc/declare.hpp"
+#include "distrpc/device_future.hpp"
 #include "distrpc/function_id.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
@@ -69,17 +70,41 @@ struct SentCall {
 // were forked by `from`).
 template <class T>
 Future<T> decode_reply(SentCall sent, const std::shared_ptr<RpcAgent>& agent, int from) {
-  Future<T> typed = sent.reply.then(
-      [agent, from, atts = std::move(sent.attachments)](const Future<wire::Message>& done) {
-        if constexpr (std::is_void_v<T>) {
-          done.value();
-        } else {
-          T out{};
-          const wire::Message& m = done.value();
-          agent->decode_from(from, atts, [&] { wire::decode(m, out); });
-          return out;
-        }
-      });
+  auto decode = [agent, from,
+                 atts = std::move(sent.attachments)](const Future<wire::Message>& done) {
+    if constexpr (std::is_void_v<T>) {
+      done.value();
+    } else {
+      T out{};
+      const wire::Message& m = done.value();
+      agent->decode_from(from, atts, [&] { wire::decode(m, out); });
+      return out;
+    }
+  };
+  Future<T> typed;
+  if (agent->stream_devices().empty()) {
+    typed = sent.reply.then(std::move(decode));
+  } else {
+    // A worker with devices: the reply is decoded on streams of the pool, and the future the
+    // caller gets carries the devices, its events recorded on those streams at completion
+    // (device_future.hpp): a waiter on any stream sees finished values.
+    typed = make_future<T>(agent->stream_devices());
+    sent.reply.add_done_callback(
+        [typed, decode = std::move(decode),
+         devices = agent->stream_devices()](const Future<wire::Message>& done) {
+          PoolStreamsScope streams(devices);
+          try {
+            if constexpr (std::is_void_v<T>) {
+              decode(done);
+              typed.set_value();
+            } else {
+              typed.set_value(decode(done));
+            }
+          } catch (...) {
+            typed.set_exception(std::current_exception());
+          }
+        });
+  }
   // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool. A
   // thread that waits for it reads the transport meanwhile (sync_wait_spin).
   set_callback_executor(typed, agent->callback_executor());

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,6 +89,12 @@ class DeviceRoutes {
         }
       }
     }
+    stream_devices_.clear();
+    if (c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+      for (const DeviceName& d : std::set<DeviceName>(devices_.begin(), devices_.end())) {
+        stream_devices_.push_back(compat::to_c10(d));
+      }
+    }
     self_ = self;
     nodes_ = std::move(nodes);
   }
@@ -115,6 +122,10 @@ class DeviceRoutes {
   }
   // The CUDA devices this worker uses: those set, else those the group's maps name for it.
   const std::vector<DeviceName>& devices() const { return devices_; }
+  // The same as c10 devices, where this libtorch has streams for them (else none): the devices
+  // whose streams this worker's requests run on and its replies' futures synchronize on
+  // (device_future.hpp). Empty: CPU only.
+  const std::vector<c10::Device>& stream_devices() const { return stream_devices_; }
 
  private:
   void check_per_call(int peer, const DeviceMap& map, const Membership& members) const {
@@ -142,6 +153,7 @@ class DeviceRoutes {
   std::map<int, DeviceMap> out_;
   std::map<int, DeviceMap> back_;
   std::vector<DeviceName> devices_;
+  std::vector<c10::Device> stream_devices_;
 };
 
 }  // namespace distrpc::detail

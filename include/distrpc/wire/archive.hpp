@@ -214,7 +214,8 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
 
   std::size_t buffer_count() const noexcept { return buffers_->size(); }
 
-  // The out-of-band buffer `index`, checked to exist and to be a plain byte buffer.
+  // The out-of-band buffer `index`, checked to exist and to be a plain byte buffer: host memory,
+  // or CUDA memory that a policy moving device memory handed over (transport/device_direct.hpp).
   const at::Tensor& buffer(std::uint32_t index) {
     if (index >= buffers_->size()) {
       detail::decode_fail("buffer index " + std::to_string(index) +
@@ -222,10 +223,11 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
                           " buffers");
     }
     const at::Tensor& b = (*buffers_)[index];
-    if (!b.defined() || !b.device().is_cpu() || b.scalar_type() != at::kByte || b.dim() != 1 ||
-        b.layout() != at::kStrided || (b.numel() > 1 && b.stride(0) != 1)) {
+    if (!b.defined() || !(b.device().is_cpu() || b.device().is_cuda()) ||
+        b.scalar_type() != at::kByte || b.dim() != 1 || b.layout() != at::kStrided ||
+        (b.numel() > 1 && b.stride(0) != 1)) {
       detail::decode_fail("buffer " + std::to_string(index) +
-                          " is not a 1-D contiguous kByte CPU tensor");
+                          " is not a 1-D contiguous kByte CPU or CUDA tensor");
     }
     if (used_.empty()) used_.assign(buffers_->size(), false);
     used_[index] = true;

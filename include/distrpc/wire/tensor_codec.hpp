@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
 
 #include <concepts>
@@ -251,16 +252,19 @@ inline std::pair<c10::Storage, std::int64_t> device_storage(const at::Tensor& b,
                                                             std::int64_t byte_start,
                                                             std::int64_t span, std::int64_t item,
                                                             at::ScalarType dtype) {
-  const std::int64_t nbytes = span * item;
-  const at::Tensor bytes = b.narrow(0, byte_start - b.storage_offset(), nbytes);
-  if (dtype == at::kBool && bytes.gt(1).any().item<bool>()) {
+  // The receiver reads these bytes on the streams current where it decodes (an RPC callee's
+  // come from the pool): the allocator must not reuse them before that work is done.
+  const c10::impl::VirtualGuardImpl impl(b.device().type());
+  impl.recordDataPtrOnStream(b.storage().data_ptr(), impl.getStream(b.device()));
+  const auto bytes = [&] { return b.narrow(0, byte_start - b.storage_offset(), span * item); };
+  if (dtype == at::kBool && bytes().gt(1).any().item<bool>()) {
     decode_fail("bool tensor holds a byte other than 0 or 1 (only 0 and 1 are valid)");
   }
   const char* base = static_cast<const char*>(b.storage().data());
   if (aligned_for(base, byte_start, item)) {
     return {b.storage(), byte_start / item};
   }
-  return {bytes.clone().storage(), 0};
+  return {bytes().clone().storage(), 0};
 }
 
 // Reads a strided record. Built over the received CPU bytes; moved to the recorded device when
