@@ -74,10 +74,11 @@ at::Tensor devmap_nested_plus(at::Tensor t, int k) {
 std::int64_t devmap_stream_id() {
   return c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(c10::Device(c10::kCUDA, 0)).id();
 }
-// That id here and, called back from here, on worker0.
-std::pair<std::int64_t, std::int64_t> devmap_nested_stream_ids() {
+// That id here, then called back from here on worker0, then here again after that call.
+std::tuple<std::int64_t, std::int64_t, std::int64_t> devmap_nested_stream_ids() {
   const std::int64_t own = devmap_stream_id();
-  return {own, distrpc::rpc_sync<&devmap_stream_id>("worker0")};
+  const std::int64_t back = distrpc::rpc_sync<&devmap_stream_id>("worker0");
+  return {own, back, devmap_stream_id()};
 }
 
 }  // namespace devmap_test
@@ -311,10 +312,11 @@ DISTRPC_MP_TEST(
     CHECK(distrpc::future_devices(self) == std::vector<c10::Device>{gpu0});
     CHECK(self.value() == 0);
     CHECK(waited_for_pool_stream(cuda.fake.take(), 0));
-    const auto [callee, back] =
+    const auto [callee, back, callee_after] =
         distrpc::rpc_sync<&devmap_test::devmap_nested_stream_ids>("worker1");
     CHECK(callee == 0);
     CHECK(back == 0);
+    CHECK(callee_after == 0);  // the callee's own call left its streams as they were
     // CPU tensors travel as before, and an error reaches the future as before.
     const at::Tensor x = at::arange(6, at::kFloat);
     CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", x), x));

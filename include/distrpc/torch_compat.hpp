@@ -19,7 +19,8 @@ namespace distrpc::compat {
 // are asked once (the answer cannot change while the process runs, and the codec asks per
 // tensor). Where they see none, a CUDA implementation of c10's device interface registered at run
 // time (a stand-in for tests, on a CPU-only libtorch) is asked instead: the agent then takes its
-// streams from that implementation too.
+// streams from that implementation too. (A CUDA libtorch loaded without libtorch_cuda would count
+// GPUs here that ATen cannot use; distrpc's build always links libtorch_cuda, docs/cuda.md.)
 inline int cuda_device_count() {
   static const int count = [] {
     try {

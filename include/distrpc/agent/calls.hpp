@@ -66,6 +66,31 @@ struct SentCall {
   CallAttachments attachments;
 };
 
+// `reply` decoded by `decode` into a future with `devices` (a worker with devices): the decoding
+// runs on streams of the pool, and the future records its events on those streams when it
+// completes (device_future.hpp), so a waiter on any stream sees finished values. As then() does,
+// anything that fails on the way fails the future.
+template <class T, class Decode>
+Future<T> decode_on_pool_streams(const Future<wire::Message>& reply, Decode decode,
+                                 const std::vector<c10::Device>& devices) {
+  Future<T> typed = make_future<T>(devices);
+  reply.add_done_callback(
+      [typed, decode = std::move(decode), devices](const Future<wire::Message>& done) {
+        try {
+          PoolStreamsScope streams(devices);
+          if constexpr (std::is_void_v<T>) {
+            decode(done);
+            typed.try_set_value();
+          } else {
+            typed.try_set_value(decode(done));
+          }
+        } catch (...) {
+          typed.try_set_exception(std::current_exception());
+        }
+      });
+  return typed;
+}
+
 // The typed result of a call to worker `from` (decoded inside the layers' scopes: RRefs in it
 // were forked by `from`).
 template <class T>
@@ -81,30 +106,10 @@ Future<T> decode_reply(SentCall sent, const std::shared_ptr<RpcAgent>& agent, in
       return out;
     }
   };
-  Future<T> typed;
-  if (agent->stream_devices().empty()) {
-    typed = sent.reply.then(std::move(decode));
-  } else {
-    // A worker with devices: the reply is decoded on streams of the pool, and the future the
-    // caller gets carries the devices, its events recorded on those streams at completion
-    // (device_future.hpp): a waiter on any stream sees finished values.
-    typed = make_future<T>(agent->stream_devices());
-    sent.reply.add_done_callback(
-        [typed, decode = std::move(decode),
-         devices = agent->stream_devices()](const Future<wire::Message>& done) {
-          PoolStreamsScope streams(devices);
-          try {
-            if constexpr (std::is_void_v<T>) {
-              decode(done);
-              typed.set_value();
-            } else {
-              typed.set_value(decode(done));
-            }
-          } catch (...) {
-            typed.set_exception(std::current_exception());
-          }
-        });
-  }
+  Future<T> typed =
+      agent->stream_devices().empty()
+          ? sent.reply.then(std::move(decode))
+          : decode_on_pool_streams<T>(sent.reply, std::move(decode), agent->stream_devices());
   // The reply completes on a transport I/O thread: user callbacks on `typed` go to the pool. A
   // thread that waits for it reads the transport meanwhile (sync_wait_spin).
   set_callback_executor(typed, agent->callback_executor());
