@@ -231,8 +231,6 @@ class DeviceSync final : public CompletionSync {
   std::shared_ptr<const Marks> marks_;  // set by the winning completion, before publication
 };
 
-}  // namespace detail
-
 // Makes a stream from the pool current on each of `devices` for its lifetime, and restores the
 // streams that were current; no devices: does nothing. A worker with devices decodes each reply
 // to its calls under it (agent/calls.hpp), so that the reply's copies and the events of the
@@ -242,8 +240,7 @@ class PoolStreamsScope {
  public:
   explicit PoolStreamsScope(const std::vector<c10::Device>& devices) {
     if (devices.empty()) return;
-    guard_.emplace(
-        detail::pool_streams(c10::impl::VirtualGuardImpl(devices.front().type()), devices));
+    guard_.emplace(pool_streams(c10::impl::VirtualGuardImpl(devices.front().type()), devices));
   }
   PoolStreamsScope(const PoolStreamsScope&) = delete;
   PoolStreamsScope& operator=(const PoolStreamsScope&) = delete;
@@ -251,6 +248,8 @@ class PoolStreamsScope {
  private:
   c10::optional<c10::MultiStreamGuard> guard_;
 };
+
+}  // namespace detail
 
 // A pending future whose value is synchronized on `devices` (see the header comment); no devices,
 // or CPU ones (cpu:0): a plain future, as make_future<T>(). Throws std::invalid_argument for

@@ -77,7 +77,7 @@ Future<T> decode_on_pool_streams(const Future<wire::Message>& reply, Decode deco
   reply.add_done_callback(
       [typed, decode = std::move(decode), devices](const Future<wire::Message>& done) {
         try {
-          PoolStreamsScope streams(devices);
+          detail::PoolStreamsScope streams(devices);
           if constexpr (std::is_void_v<T>) {
             decode(done);
             typed.try_set_value();

@@ -122,9 +122,9 @@ class DeviceRoutes {
   }
   // The CUDA devices this worker uses: those set, else those the group's maps name for it.
   const std::vector<DeviceName>& devices() const { return devices_; }
-  // The same as c10 devices, where this libtorch has streams for them (else none): the devices
-  // whose streams this worker's requests run on and its replies' futures synchronize on
-  // (device_future.hpp). Empty: CPU only.
+  // The same as c10 devices, where this libtorch has streams for them (else none): what the
+  // futures of this worker's calls synchronize on (agent/calls.hpp, device_future.hpp). Empty:
+  // CPU only. Kept beside devices_ so that a call does not convert them each time.
   const std::vector<c10::Device>& stream_devices() const { return stream_devices_; }
 
  private:
