@@ -173,7 +173,7 @@ if [ -x build/examples/soak ]; then
     fi
     json=$(grep -E '^\{"bench":"soak"' "$logdir/soak-$tr.log" | tail -1)
     json=${json%%,\"workers_final\"*}  # the group's totals, not each worker's
-    summary=$(echo "$json" | grep -oE '"(kills|replacements|issued|completed|failed|failed_unnamed|lost|hangs|max_rss_growth_after_warmup_pct)":[0-9.e+-]+' | tr '\n' ' ')
+    summary=$(echo "$json" | grep -oE '"(kills|replacements|issued|completed|failed|failed_unnamed|lost|hangs|max_heap_growth_after_warmup_pct|max_rss_growth_after_warmup_pct)":[0-9.e+-]+' | tr '\n' ' ')
     echo "   ${summary:-no report} ($((SECONDS - start)) s)"
     if [ $rc -ne 0 ]; then echo "   FAILED"; tail -40 "$logdir/soak-$tr.log"; fi
   done
