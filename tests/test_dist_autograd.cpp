@@ -137,6 +137,11 @@ at::Tensor hooked_identity(at::Tensor x) {
   return x;
 }
 
+// The calls this worker made so far (control calls of the layers included).
+std::uint64_t calls_sent() {
+  return std::stoull(distrpc::get_debug_info().at("num_client_calls"));
+}
+
 }  // namespace ag_test
 
 // ---- 1. contexts -------------------------------------------------------------------------------
@@ -491,6 +496,40 @@ DISTRPC_MP_TEST(
                          "worker1", torch::ones({3, 3}, torch::requires_grad()), at::ones({6, 6}));
                    }),
                    "mat1 and mat2 shapes cannot be multiplied"));
+  }
+  distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: gradients that come back to the root from another worker cost that worker no "
+    "call (they get no answer); an error in the root's pass on them fails backward with 'Error on "
+    "Node 0', and the next pass in the context succeeds",
+    2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    at::Tensor u = torch::full({2}, 3.0, torch::requires_grad());
+    const std::uint64_t before = distrpc::rpc_sync<&ag_test::calls_sent>("worker1");
+    for (int i = 0; i < 5; ++i) {
+      da::Context c;
+      da::backward(c.id(), {distrpc::rpc_sync<&ag_test::mul>("worker1", t, u).sum()});
+      CHECK(same(grad_of(c.id(), t), u.detach()));
+      CHECK(same(grad_of(c.id(), u), t.detach()));
+    }
+    // Worker 1 sent five gradients messages back and made no call for them (an answer would have
+    // cost each a call, so five).
+    CHECK(distrpc::rpc_sync<&ag_test::calls_sent>("worker1") == before);
+
+    // Here, FailingFn's backward runs in the root's pass on the gradients worker 1 sent back.
+    da::Context c;
+    auto loss = distrpc::rpc_sync<&ag_test::mul>("worker1", ag_test::failing(t), u).sum();
+    ag_test::set_fail(true);
+    const std::string e = error_of([&] { da::backward(c.id(), {loss}, true); });
+    CHECK_MESSAGE(contains(e, "Error on Node 0: "), e);
+    CHECK(contains(e, "Simulate error on backward pass"));
+    ag_test::set_fail(false);
+    CHECK(error_of([&] { da::backward(c.id(), {loss}); }).empty());
+    CHECK(same(grad_of(c.id(), t), u.detach()));
   }
   distrpc::shutdown();
 }
@@ -1174,6 +1213,45 @@ DISTRPC_MP_TEST(
     REQUIRE(agent);
     CHECK(agent->context().stats().failed.at(
               da::AutogradLayer::message_type(da::AutogradLayer::kCleanup)) == 3);
+  }
+  distrpc::shutdown();
+}
+
+namespace {
+// Worker 1's first gradients message fails to send: gradients it sends back to the root, which get
+// no answer, so the failure must reach the root another way.
+struct GradientFaults {
+  static distrpc::transport::FaultyOptions options(const distrpc::transport::TransportOptions& t) {
+    distrpc::transport::FaultyOptions o;
+    if (t.self_id == 1) {
+      o.fail_sends = {.kinds = {da::AutogradLayer::message_type(da::AutogradLayer::kGradients)},
+                      .count = 1};
+    }
+    return o;
+  }
+};
+using GradientFaultyTcp = distrpc::transport::Faulty<distrpc::transport::Tcp, GradientFaults>;
+}  // namespace
+
+DISTRPC_MP_TEST(
+    "dist autograd: gradients another worker cannot send back to the root fail backward there, "
+    "naming that worker and the send's error; the next pass in the context succeeds",
+    2, 60) {
+  RpcBackendOptions o;
+  o.init_method = ctx.file_url();
+  distrpc::init_rpc<GradientFaultyTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  if (ctx.rank == 0) {
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    at::Tensor u = torch::full({2}, 3.0, torch::requires_grad());
+    da::Context c;
+    auto loss = distrpc::rpc_sync<&ag_test::mul>("worker1", t, u).sum();
+    const std::string e = error_of([&] { da::backward(c.id(), {loss}, true); });
+    CHECK_MESSAGE(contains(e, "Error on Node 1: "), e);
+    CHECK_MESSAGE(contains(e, "injected failure 1 of 1"), e);
+    CHECK(da::get_debug_info().at("num_current_backward_passes") == "0");
+    CHECK(error_of([&] { da::backward(c.id(), {loss}); }).empty());
+    CHECK(same(grad_of(c.id(), t), u.detach()));
+    CHECK(same(grad_of(c.id(), u), t.detach()));
   }
   distrpc::shutdown();
 }

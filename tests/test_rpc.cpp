@@ -1495,11 +1495,13 @@ DISTRPC_MP_TEST("rpc: debug info", 4, 60) {
   CHECK(has_key_with("pending_requests"));
   CHECK(has_key_with("idle_threads"));
   CHECK(has_key_with("server_calls"));
-  // Active client calls, as seen during and after a call.
+  // Active client calls, as seen during and after a call; all the calls made, before and after.
+  const auto made = std::stoull(distrpc::get_debug_info().at("num_client_calls"));
   auto f = distrpc::rpc_async<&sleep_ms>(dst, 300);
   CHECK(distrpc::get_debug_info().at("num_active_client_calls") == "1");
   CHECK(f.value() == 300);
   CHECK(distrpc::get_debug_info().at("num_active_client_calls") == "0");
+  CHECK(std::stoull(distrpc::get_debug_info().at("num_client_calls")) == made + 1);
   distrpc::shutdown();
 }
 

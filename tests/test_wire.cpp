@@ -733,12 +733,12 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
                        "handshake with a proof but no nonce (the acceptor sends both)",
                        wire::EncodeError);
 
-  // Version 4: the version stays the first field, so an older or newer peer is told in words.
-  CHECK(wire::kProtocolVersion == 4);
+  // Version 5: the version stays the first field, so an older or newer peer is told in words.
+  CHECK(wire::kProtocolVersion == 5);
   wire::Hello old = hello;
-  old.protocol_version = 3;
+  old.protocol_version = 4;
   CHECK_THROWS_WITH_AS(wire::decode_hello(wire::encode_hello(old)),
-                       "peer speaks distrpc protocol version 3 but this build speaks version 4",
+                       "peer speaks distrpc protocol version 4 but this build speaks version 5",
                        wire::ProtocolError);
   wire::Message not_hello = m;
   not_hello.type = wire::MessageType::Request;

@@ -206,6 +206,7 @@ class RpcAgent : public AgentServices,
     out["num_pending_requests"] = std::to_string(request_pool_.queued());
     out["num_pending_responses"] = std::to_string(pending);
     out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
+    out["num_client_calls"] = std::to_string(c.client_sent);
     out["num_active_server_calls"] = std::to_string(c.server_active);
     out["callback_pool_size"] = std::to_string(callback_pool_.size());
     for (const auto& x : extensions_) x->add_debug_info(out);
@@ -490,6 +491,29 @@ class RpcAgent : public AgentServices,
       return make_exceptional_future<wire::Message>(std::current_exception());
     }
     return call(dst, std::move(m), timeout, /*internal=*/false, what, kind);
+  }
+  void host_control_notify(int to, wire::MessageType kind, wire::Message&& m,
+                           const std::string& what) override {
+    const WorkerInfo dst = worker(to);
+    if (stopped_.load()) {
+      throw RpcError("RPC has not been initialized or has been shut down: cannot send " + what +
+                     " to " + dst.str());
+    }
+    m.type = kind;
+    m.id = kNoAnswer;
+    if (dst.id == self().id) {
+      detail_clone_buffers(m);
+      if (!dispatch_local(std::move(m))) {
+        throw RpcError("RPC agent of " + self().str() + " is shutting down: " + what +
+                       " not delivered");
+      }
+      return;
+    }
+    try {
+      transport_send(dst.id, std::move(m));
+    } catch (...) {
+      std::rethrow_exception(wrap_send_error(std::current_exception(), dst, what));
+    }
   }
   Future<wire::Message> host_control_call_retrying(int to, wire::MessageType kind,
                                                    wire::Message&& m, milliseconds timeout,
@@ -976,6 +1000,10 @@ class RpcAgent : public AgentServices,
     }
   }
 
+  // The id of a control message that gets no answer (host_control_notify): calls are numbered
+  // from 1 (agent/call_table.hpp).
+  static constexpr std::uint64_t kNoAnswer = 0;
+
   // A control message of a layer plugged in (on the callback pool): its block of kinds names the
   // layer (AgentExtension::kKindsPerExtension).
   void handle_control(int peer, wire::Message&& req) {
@@ -1000,6 +1028,16 @@ class RpcAgent : public AgentServices,
       result = owner->handle_control(peer, own, req);
     } catch (...) {
       result = make_exceptional_future<wire::Message>(std::current_exception());
+    }
+    if (id == kNoAnswer) {
+      // Sent with host_control_notify: nobody waits for an answer; a failure is only logged.
+      result.add_done_callback([this, peer, name](const Future<wire::Message>& done) {
+        if (!done.has_error() || stopped_.load()) return;  // stopping: failures are expected
+        const WireException w = ExceptionRegistry::instance().encode(done.exception_ptr());
+        detail::log_warning(self().name, "'" + name + "' from worker " + std::to_string(peer) +
+                                             " raised " + w.type_name + ": " + w.message);
+      });
+      return;
     }
     reply_when_done(peer, id, name, /*counted=*/false, std::move(result));
   }

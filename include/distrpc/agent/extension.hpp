@@ -47,6 +47,13 @@ class AgentServices {
   virtual Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,
                                                   std::chrono::milliseconds timeout,
                                                   const std::string& what) = 0;
+  // A control message of the layer's own kind to worker `to` that gets no answer: for a protocol
+  // whose receiver reports what became of it another way, so that no reply costs either side a
+  // send. Not counted in the graceful-shutdown join. Throws (RpcError or DistNetworkError, naming
+  // the worker and `what`) when it could not be sent; the receiver's handler runs as for any
+  // control message, and a failure there is logged on the receiver only.
+  virtual void host_control_notify(int to, wire::MessageType kind, wire::Message&& m,
+                                   const std::string& what) = 0;
   // host_control_call for a fire-and-forget protocol message that must not be lost to a passing
   // send failure: when the transport refused to send (a DistNetworkError, nothing left), a copy of
   // `m` (tensors shared) is sent again after `first_backoff`, then after twice that, and so on, up

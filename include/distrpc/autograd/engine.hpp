@@ -242,10 +242,9 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
           roots, grads, keep, /*create_graph=*/false, /*accumulate_grad=*/false, plan.outputs);
       hooks_done = kEngineRanTensorHooks;
     }
-    std::size_t k = 0;
-    for (const auto& leaf : plan.leaves) {
-      deliver_to_leaf(*ctx, *leaf, std::move(out[k++]), hooks_done);
-    }
+    // Gradients for other workers go first: their passes start while this one delivers to its
+    // leaves (the backward's root then learns of both about as early).
+    std::size_t k = plan.leaves.size();
     for (const auto& recv : plan.recvs) {
       variable_list g;
       bool any = false;
@@ -261,6 +260,10 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
       // its name.
       RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
       send(*recv, std::move(g), retain_graph);
+    }
+    k = 0;
+    for (const auto& leaf : plan.leaves) {
+      deliver_to_leaf(*ctx, *leaf, std::move(out[k++]), hooks_done);
     }
   } catch (...) {
     throw std::runtime_error(node_error_text(self_id, message_of(std::current_exception())));

@@ -3,7 +3,8 @@
 // the tensors requiring grad that the request and its reply carry are recorded as they are
 // encoded and decoded (wire::TensorObserver): a SendRpcBackward where they leave, a
 // RecvRpcBackward where they arrive. Three control messages of its own: the gradients of a recv
-// function sent back to its send function (answered once the pass they start ran here), the
+// function sent back to its send function (answered once the pass they start ran here, except
+// those another worker sends to the backward's root: see send_gradients), the
 // report of such a pass to the worker whose backward() it serves (termination.hpp: that worker
 // counts the passes, so no pass waits for those it started), and the release of a context
 // (forwarded to the workers it knows).
@@ -517,8 +518,13 @@ class AutogradLayer final : public AgentExtension,
   }
 
   // Sends gradients to `recv`'s sender as message `id` of backward `origin`. The root counts the
-  // message before it leaves; the answer comes once the pass it starts ran there (from the root's
-  // own sends it is that pass's report). A send that fails fails the backward, naming the worker.
+  // message before it leaves; the answer comes once the pass it starts ran there (to the root's
+  // own messages it is that pass's report). Gradients that another worker sends to the root get
+  // no answer (unanswered()):
+  // the root runs their pass itself and counts it there, failures included, so an answer would
+  // only cost both sides a send, on the root one more before it can read the report it waits
+  // for. Between two other workers the answer stays: its timeout is what fails the backward when
+  // the receiver's pass never runs. A send that fails fails the backward, naming the worker.
   void send_gradients(std::int64_t context_id, const RecvRpcBackward& recv,
                       torch::autograd::variable_list grads, bool retain_graph, const Origin& origin,
                       std::int64_t id) {
@@ -540,9 +546,13 @@ class AutogradLayer final : public AgentExtension,
         // the other way: each arrives on its leaf's device.
         wire::TensorObserverScope none(nullptr);
         pass->host_encode_back(recv.from(), recv.in_reply(), [&] {
-          wire::encode(m, context_id, recv.send_id(), retain_graph, grads, origin.root,
-                       origin.backward_id, id);
+          wire::encode(m, origin.root, origin.backward_id, id, context_id, recv.send_id(),
+                       retain_graph, grads);
         });
+      }
+      if (unanswered(self_id(), recv.from(), origin)) {
+        pass->host_control_notify(recv.from(), control_type(kGradients), std::move(m), what);
+        return;
       }
       reply = pass->host_control_call(recv.from(), control_type(kGradients), std::move(m),
                                       pass->host_timeout(kUnsetRpcTimeout), what);
@@ -612,6 +622,7 @@ class AutogradLayer final : public AgentExtension,
   // Gradients for one of this worker's send functions: its pass runs here when this is not a
   // transport thread, else on the callback pool. The answer goes back once it ran: to the root
   // it is the pass's report; to anyone else an acknowledgement (the report goes to the root).
+  // Here on the root, gradients from another worker get no answer: the pass counts itself.
   Future<wire::Message> receive_gradients(int peer, const wire::Message& m) {
     std::int64_t context_id = -1;
     std::int64_t send_id = -1;
@@ -619,7 +630,17 @@ class AutogradLayer final : public AgentExtension,
     torch::autograd::variable_list grads;
     Origin origin;
     std::int64_t id = -1;
-    wire::decode(m, context_id, send_id, retain_graph, grads, origin.root, origin.backward_id, id);
+    wire::InputArchive ar(m);
+    // Which backward it serves comes first: gradients another worker sent to the root get no
+    // answer, so the root learns from here when they cannot be read or run.
+    ar(origin.root, origin.backward_id, id, context_id, send_id, retain_graph);
+    try {
+      ar(grads);
+      ar.finish();
+    } catch (...) {
+      unanswered_failure(peer, origin, id, std::current_exception());
+      throw;
+    }
     Future<wire::Message> out;
     auto self = shared_from_this();
     auto task = [self, peer, context_id, send_id, retain_graph, grads = std::move(grads), origin,
@@ -657,11 +678,29 @@ class AutogradLayer final : public AgentExtension,
     }
     auto pass = gate_->enter();
     if (!pass || !pass->host_post(std::move(task))) {
-      throw std::runtime_error(dist_autograd::detail::node_error_text(
+      auto e = std::make_exception_ptr(std::runtime_error(dist_autograd::detail::node_error_text(
           self_id(), "the agent of worker " + std::to_string(self_id()) +
-                         " is stopping: backward pass not run"));
+                         " is stopping: backward pass not run")));
+      unanswered_failure(peer, origin, id, e);
+      std::rethrow_exception(e);
     }
     return out;
+  }
+
+  // Whether gradients from worker `from` to worker `to` for backward `origin` go without an
+  // answer (send_gradients): those another worker sends to the root.
+  static bool unanswered(int from, int to, const Origin& origin) {
+    return from != origin.root && to == origin.root;
+  }
+
+  // Gradients message `id` from `peer` failed before its pass ran. An answer would carry the
+  // failure back to the sender, which reports it to the root; without one (this is the root) the
+  // backward fails here.
+  void unanswered_failure(int peer, const Origin& origin, std::int64_t id, std::exception_ptr e) {
+    if (!unanswered(peer, self_id(), origin)) return;
+    report_to_root(origin, id, {},
+                   dist_autograd::detail::node_error_text(
+                       self_id(), dist_autograd::detail::message_of(std::move(e))));
   }
 
   Sent run_received_pass(std::int64_t context_id, std::int64_t send_id,

@@ -28,7 +28,7 @@ namespace distrpc::wire {
 // 1: RPC core. 2: the request header gained a mode byte and RRef ids; control types 16-20 (RRefs).
 // 3: (current transports). 4: the Hello carries a nonce and a proof instead of the secret, and an
 // AuthAnswer frame follows when a secret is configured.
-inline constexpr std::uint32_t kProtocolVersion = 4;
+inline constexpr std::uint32_t kProtocolVersion = 5;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
 
