@@ -640,21 +640,16 @@ int run_launcher(const Args& a) {
     lost += field(line, "lost");
     if (line.find("\"drain_hang\":true") != std::string::npos) ++drain_hangs;
     // A worker is judged when it took its warm-up sample (rss_warm_kb > 0).
-    const auto growth = [&](double warm, double end) { return 100.0 * (end - warm) / warm; };
-    if (field(line, "rss_warm_kb") > 0) {
-      max_growth = std::max(max_growth, growth(static_cast<double>(field(line, "heap_warm_kb")),
-                                               static_cast<double>(field(line, "heap_end_kb"))));
+    const auto kb = [&](const char* key) { return static_cast<double>(field(line, key)); };
+    const auto growth = [](double warm, double end) { return 100.0 * (end - warm) / warm; };
+    if (kb("rss_warm_kb") > 0) {
+      max_growth = std::max(max_growth, growth(kb("heap_warm_kb"), kb("heap_end_kb")));
       // The cache of received buffers is resident private memory too, but bounded
       // (docs/transports.md): what it holds is left out on both sides.
-      const auto private_kb = [&](const char* anon, const char* cache) {
-        return static_cast<double>(field(line, anon) - field(line, cache));
-      };
       max_private_growth =
-          std::max(max_private_growth, growth(private_kb("anon_warm_kb", "recv_cache_warm_kb"),
-                                              private_kb("anon_end_kb", "recv_cache_end_kb")));
-      max_rss_growth =
-          std::max(max_rss_growth, growth(static_cast<double>(field(line, "rss_warm_kb")),
-                                          static_cast<double>(field(line, "rss_end_kb"))));
+          std::max(max_private_growth, growth(kb("anon_warm_kb") - kb("recv_cache_warm_kb"),
+                                              kb("anon_end_kb") - kb("recv_cache_end_kb")));
+      max_rss_growth = std::max(max_rss_growth, growth(kb("rss_warm_kb"), kb("rss_end_kb")));
     }
     per << (reports ? "," : "") << line;
     ++reports;

@@ -170,27 +170,11 @@ class RpcAgent : public AgentServices,
     const std::uint64_t id = calls_.add(to, fut, timeout, internal, what);
     request.type = type;
     request.id = id;
-    if (to.id == self().id) {
-      // A call to self skips the transport but keeps value semantics: the callee gets copies.
-      try {
-        detail_clone_buffers(request);
-      } catch (...) {
-        if (on_unsent) on_unsent();
-        fail_call(id, std::current_exception());
-        return fut;
-      }
-      if (!dispatch_local(std::move(request))) {
-        if (on_unsent) on_unsent();
-        fail_call(id, std::make_exception_ptr(RpcError("RPC agent of " + self().str() +
-                                                       " is shutting down: cannot run " + what)));
-      }
-      return fut;
-    }
     try {
-      transport_send(to.id, std::move(request));
+      deliver(to, std::move(request), what);
     } catch (...) {
       if (on_unsent) on_unsent();
-      fail_call(id, wrap_send_error(std::current_exception(), to, what));
+      fail_call(id, std::current_exception());
     }
     return fut;
   }
@@ -501,19 +485,7 @@ class RpcAgent : public AgentServices,
     }
     m.type = kind;
     m.id = kNoAnswer;
-    if (dst.id == self().id) {
-      detail_clone_buffers(m);
-      if (!dispatch_local(std::move(m))) {
-        throw RpcError("RPC agent of " + self().str() + " is shutting down: " + what +
-                       " not delivered");
-      }
-      return;
-    }
-    try {
-      transport_send(dst.id, std::move(m));
-    } catch (...) {
-      std::rethrow_exception(wrap_send_error(std::current_exception(), dst, what));
-    }
+    deliver(dst, std::move(m), what);
   }
   Future<wire::Message> host_control_call_retrying(int to, wire::MessageType kind,
                                                    wire::Message&& m, milliseconds timeout,
@@ -803,6 +775,25 @@ class RpcAgent : public AgentServices,
     for (const c10::Device& d : devices) {
       const c10::impl::VirtualGuardImpl impl(d.type());
       impl.synchronizeStream(impl.getStream(d));
+    }
+  }
+
+  // Hands `m` to worker `to` (a call or a control message without an answer). A message to this
+  // worker itself skips the transport but keeps value semantics: the receiver gets copies of its
+  // buffers. Throws what stopped it: the copy's error, an RpcError when this agent is shutting
+  // down, or the transport's refusal in wrap_send_error's words.
+  void deliver(const WorkerInfo& to, wire::Message&& m, const std::string& what) {
+    if (to.id == self().id) {
+      detail_clone_buffers(m);
+      if (!dispatch_local(std::move(m))) {
+        throw RpcError("RPC agent of " + self().str() + " is shutting down: cannot run " + what);
+      }
+      return;
+    }
+    try {
+      transport_send(to.id, std::move(m));
+    } catch (...) {
+      std::rethrow_exception(wrap_send_error(std::current_exception(), to, what));
     }
   }
 

@@ -243,7 +243,8 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
       hooks_done = kEngineRanTensorHooks;
     }
     // Gradients for other workers go first: their passes start while this one delivers to its
-    // leaves (the backward's root then learns of both about as early).
+    // leaves (the backward's root then learns of both about as early). `out` follows
+    // plan.outputs: the leaves, then each recv function's inputs.
     std::size_t k = plan.leaves.size();
     for (const auto& recv : plan.recvs) {
       variable_list g;
@@ -261,9 +262,8 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
       RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
       send(*recv, std::move(g), retain_graph);
     }
-    k = 0;
-    for (const auto& leaf : plan.leaves) {
-      deliver_to_leaf(*ctx, *leaf, std::move(out[k++]), hooks_done);
+    for (std::size_t i = 0; i < plan.leaves.size(); ++i) {
+      deliver_to_leaf(*ctx, *plan.leaves[i], std::move(out[i]), hooks_done);
     }
   } catch (...) {
     throw std::runtime_error(node_error_text(self_id, message_of(std::current_exception())));

@@ -520,11 +520,11 @@ class AutogradLayer final : public AgentExtension,
   // Sends gradients to `recv`'s sender as message `id` of backward `origin`. The root counts the
   // message before it leaves; the answer comes once the pass it starts ran there (to the root's
   // own messages it is that pass's report). Gradients that another worker sends to the root get
-  // no answer (unanswered()):
-  // the root runs their pass itself and counts it there, failures included, so an answer would
-  // only cost both sides a send, on the root one more before it can read the report it waits
-  // for. Between two other workers the answer stays: its timeout is what fails the backward when
-  // the receiver's pass never runs. A send that fails fails the backward, naming the worker.
+  // no answer (unanswered()): the root runs their pass itself and counts it there, failures
+  // included, so an answer would only cost both sides a send, on the root one more before it can
+  // read the report it waits for. Between two other workers the answer stays: its timeout is what
+  // fails the backward when the receiver's pass never runs. A send that fails fails the backward,
+  // naming the worker.
   void send_gradients(std::int64_t context_id, const RecvRpcBackward& recv,
                       torch::autograd::variable_list grads, bool retain_graph, const Origin& origin,
                       std::int64_t id) {

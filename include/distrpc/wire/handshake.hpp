@@ -27,7 +27,8 @@ namespace distrpc::wire {
 // Version of the payload encoding and message semantics; bumped whenever either changes.
 // 1: RPC core. 2: the request header gained a mode byte and RRef ids; control types 16-20 (RRefs).
 // 3: (current transports). 4: the Hello carries a nonce and a proof instead of the secret, and an
-// AuthAnswer frame follows when a secret is configured.
+// AuthAnswer frame follows when a secret is configured. 5: a layer's control message with id 0
+// gets no answer; distributed autograd's gradients message carries its backward before its tensors.
 inline constexpr std::uint32_t kProtocolVersion = 5;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
