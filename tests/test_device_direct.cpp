@@ -233,6 +233,31 @@ TEST_CASE("DeviceDirect: a loan that never comes back takes half of shutdown's t
   CHECK(HostChannel::lent_now() == 0);  // returned at shutdown
 }
 
+TEST_CASE(
+    "DeviceDirect: a receiver shutting down with Transfers queued releases their loans unread") {
+  Reset reset;
+  DirectNode a(0);
+  auto b = std::make_unique<DirectNode>(1);
+  a.ctx->add_peer(1, "w1", b->ctx->address());
+  b->ctx->add_peer(0, "w0", a.ctx->address());
+  // b's receiving thread holds the first import, so the next Transfers queue behind it.
+  HostChannel::knobs().hold_imports = true;
+  for (int i = 0; i < 3; ++i) {
+    a.ctx->send(1, make_message(MessageType::Request, 10 + i, "q", {pattern_bytes(2000, i)}));
+  }
+  CHECK(stats(a).lent == 3);
+  std::this_thread::sleep_for(300ms);  // the three are read and queued at b
+  CHECK(b->inbox.message_count() == 0);
+  b->ctx->shutdown(std::chrono::steady_clock::now() + 2s);
+  // The two queued behind the held import were released unread; the held one was given up
+  // (its import returned once b's channel stopped) and is b's to release or a's to orphan.
+  CHECK(eventually([&] { return stats(a).released >= 2; }, 2s));
+  CHECK(stats(a).released <= 3);
+  CHECK(HostChannel::knobs().imports_of_unlent == 0);
+  b.reset();
+  CHECK(eventually([] { return HostChannel::lent_now() == 0; }, 5s));
+}
+
 TEST_CASE("DeviceDirect: a Release to a sender not registered yet goes once it is") {
   Reset reset;
   DirectNode a(0), b(1);

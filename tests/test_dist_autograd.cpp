@@ -1055,28 +1055,91 @@ TEST_CASE(
     "dist autograd: the root's count ends a backward only when every message ran, whatever the "
     "order of the reports") {
   using distrpc::dist_autograd::detail::BackwardTracker;
-  BackwardTracker t;
+  BackwardTracker t(0);
   t.created(1, 0);  // the root's own first pass
   t.created(2, 1);  // which sends #2 to worker1
-  t.report(1, {}, {});
+  t.report(0, 1, {}, {});
   CHECK_FALSE(t.done().done());
-  t.report(3, {}, {});  // #3, sent by #2's pass, ran before #2's report came
+  t.report(2, 3, {}, {});  // #3, sent by #2's pass, ran on worker2 before #2's report came
   CHECK_FALSE(t.done().done());
   CHECK(t.waits_for(1));
   CHECK_FALSE(t.waits_for(2));
-  t.report(2, {3, 4}, {2, 2});  // #2 ran and sent #3 and #4 to worker2
+  t.report(1, 2, {3, 4}, {2, 2});  // #2 ran on worker1 and sent #3 and #4 to worker2
   CHECK_FALSE(t.done().done());
   CHECK(t.waits_for(2));
   CHECK_FALSE(t.waits_for(1));
-  t.report(4, {}, {});
+  t.report(2, 4, {}, {});
   CHECK(t.done().has_value());
 
-  BackwardTracker f;
+  BackwardTracker f(0);
   f.created(1, 0);
   f.fail(std::make_exception_ptr(std::runtime_error("Error on Node 3: boom")));
-  f.report(1, {}, {});  // later reports change nothing
+  f.report(0, 1, {}, {});  // later reports change nothing
   CHECK(f.done().has_error());
   CHECK(error_of([&] { f.done().value(); }) == "Error on Node 3: boom");
+}
+
+namespace {
+// A backward whose root, worker 0, ran its first pass (#1), which sent #2 to worker1.
+std::unique_ptr<distrpc::dist_autograd::detail::BackwardTracker> started() {
+  auto t = std::make_unique<distrpc::dist_autograd::detail::BackwardTracker>(0);
+  t->created(1, 0);
+  t->created(2, 1);
+  t->report(0, 1, {}, {});
+  return t;
+}
+}  // namespace
+
+TEST_CASE(
+    "dist autograd: the root's count needs a worker until the gradients it sent to the root "
+    "arrived, and fails on its loss even when the report naming them is read after the loss") {
+  const auto lost1 = std::make_exception_ptr(std::runtime_error("worker1 was lost"));
+  // In order: #2's answer lists #3 (worker1 to the root); #3 arrives; worker1 is lost meanwhile.
+  auto t = started();
+  t->report(1, 2, {3}, {0});
+  CHECK(t->waits_for(1));
+  t->arrived(3);
+  CHECK_FALSE(t->waits_for(1));
+  t->lost(1, lost1);
+  CHECK_FALSE(t->done().done());
+  t->report(0, 3, {}, {});  // its pass ran here
+  CHECK(t->done().has_value());
+
+  // #3 arrived before the answer that lists it: nothing waits on worker1 at any point.
+  auto a = started();
+  a->arrived(3);
+  CHECK(a->waits_for(1));  // #2 has not reported yet
+  a->report(1, 2, {3}, {0});
+  CHECK_FALSE(a->waits_for(1));
+  CHECK_FALSE(a->done().done());  // #3's pass has not reported
+  a->report(0, 3, {}, {});
+  CHECK(a->done().has_value());
+
+  // Three workers: the root sends #2 to worker1, whose pass sends #3 to worker2, whose pass sends
+  // #4 to the root. Worker2 is lost before its report is read (reports and losses are handled
+  // on different threads): nothing known needs it then, but the report names #4, which will
+  // never come.
+  const auto lost2 = std::make_exception_ptr(std::runtime_error("worker2 was lost"));
+  auto l = started();
+  l->lost(2, lost2);
+  CHECK_FALSE(l->done().done());
+  l->report(2, 3, {4}, {0});
+  CHECK(l->done().has_error());
+  CHECK(error_of([&] { l->done().value(); }) == "worker2 was lost");
+  // The same, with #4 read before the loss: the backward completes.
+  auto m = started();
+  m->arrived(4);
+  m->lost(2, lost2);
+  m->report(2, 3, {4}, {0});
+  m->report(1, 2, {3}, {2});
+  CHECK_FALSE(m->done().done());
+  m->report(0, 4, {}, {});
+  CHECK(m->done().has_value());
+  // A pass still to run on the lost worker fails at once.
+  auto pending = started();
+  pending->lost(1, lost1);
+  CHECK(pending->done().has_error());
+  CHECK(error_of([&] { pending->done().value(); }) == "worker1 was lost");
 }
 
 // ---- gradients that come back as they were sent ------------------------------------------------
@@ -1218,19 +1281,33 @@ DISTRPC_MP_TEST(
 }
 
 namespace {
-// Worker 1's first gradients message fails to send: gradients it sends back to the root, which get
-// no answer, so the failure must reach the root another way.
-struct GradientFaults {
+// Faults on worker 1's gradients messages only, as `Set::set` makes them.
+template <class Set>
+struct Worker1Gradients {
   static distrpc::transport::FaultyOptions options(const distrpc::transport::TransportOptions& t) {
     distrpc::transport::FaultyOptions o;
-    if (t.self_id == 1) {
-      o.fail_sends = {.kinds = {da::AutogradLayer::message_type(da::AutogradLayer::kGradients)},
-                      .count = 1};
-    }
+    if (t.self_id == 1)
+      Set::set(o, {da::AutogradLayer::message_type(da::AutogradLayer::kGradients)});
     return o;
   }
 };
-using GradientFaultyTcp = distrpc::transport::Faulty<distrpc::transport::Tcp, GradientFaults>;
+// Its first gradients message fails to send: gradients it sends back to the root, which get no
+// answer, so the failure must reach the root another way.
+struct FailFirst {
+  static void set(distrpc::transport::FaultyOptions& o, std::set<distrpc::wire::MessageType> k) {
+    o.fail_sends = {.kinds = std::move(k), .count = 1};
+  }
+};
+// They leave 1.5 s late, so its answer to the root overtakes them.
+struct Late {
+  static void set(distrpc::transport::FaultyOptions& o, std::set<distrpc::wire::MessageType> k) {
+    o.delay = {.kinds = std::move(k), .by = 1500ms};
+  }
+};
+using GradientFaultyTcp =
+    distrpc::transport::Faulty<distrpc::transport::Tcp, Worker1Gradients<FailFirst>>;
+using LateGradientsTcp =
+    distrpc::transport::Faulty<distrpc::transport::Tcp, Worker1Gradients<Late>>;
 }  // namespace
 
 DISTRPC_MP_TEST(
@@ -1254,6 +1331,56 @@ DISTRPC_MP_TEST(
     CHECK(same(grad_of(c.id(), u), t.detach()));
   }
   distrpc::shutdown();
+}
+
+DISTRPC_MP_TEST(
+    "dist autograd: the root waits for gradients its report overtook; when their sender is lost "
+    "before they leave, backward fails within 2 s of the loss, naming it",
+    2, 60) {
+  RpcBackendOptions o;
+  o.init_method = ctx.file_url();
+  distrpc::init_rpc<LateGradientsTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  const auto kind = da::AutogradLayer::message_type(da::AutogradLayer::kGradients);
+  if (ctx.rank == 0) {
+    at::Tensor t = torch::ones({2}, torch::requires_grad());
+    at::Tensor u = torch::full({2}, 3.0, torch::requires_grad());
+    {
+      da::Context c;
+      auto loss = distrpc::rpc_sync<&ag_test::mul>("worker1", t, u).sum();
+      const auto t0 = Clock::now();
+      CHECK(error_of([&] { da::backward(c.id(), {loss}); }).empty());
+      CHECK(ms_since(t0) >= 1400);
+      CHECK(same(grad_of(c.id(), t), u.detach()));
+      CHECK(same(grad_of(c.id(), u), t.detach()));
+    }
+    da::Context c;
+    auto loss = distrpc::rpc_sync<&ag_test::mul>("worker1", t, u).sum();
+    ctx.publish("second-forward", "1");
+    const auto t0 = Clock::now();
+    const std::string e = error_of([&] { da::backward(c.id(), {loss}); });
+    // worker1 exits about 100 ms after its pass; its loss is noticed within 2 s.
+    CHECK(ms_since(t0) < 4000);
+    CHECK_MESSAGE(contains(e,
+                           "Error on Node 0: worker worker1 (id 1) was lost during the "
+                           "backward pass"),
+                  e);
+    CHECK(da::get_debug_info().at("num_current_backward_passes") == "0");
+    distrpc::shutdown(false);
+  } else {
+    ctx.lookup("second-forward", std::chrono::seconds(20));
+    auto agent = std::dynamic_pointer_cast<distrpc::Agent<LateGradientsTcp>>(
+        distrpc::detail::current_agent());
+    REQUIRE(agent);
+    const auto delayed = [&] {
+      const auto s = agent->context().stats();
+      return s.delayed.count(kind) != 0 ? s.delayed.at(kind) : 0;
+    };
+    const auto t0 = Clock::now();
+    while (delayed() < 2 && ms_since(t0) < 10000) std::this_thread::sleep_for(1ms);
+    CHECK(delayed() == 2);
+    std::this_thread::sleep_for(100ms);  // the answer to the root leaves meanwhile
+    _exit(0);
+  }
 }
 
 // ---- §1.8 post hooks of AccumulateGrad ---------------------------------------------------------

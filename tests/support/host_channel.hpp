@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "distrpc/transport/device_direct.hpp"
 
@@ -35,6 +36,7 @@ struct HostChannel {
     std::atomic<int> failing_imports{0};    // the next n imports throw
     std::atomic<int> forgotten{0};          // forget() calls
     std::atomic<int> imports_of_unlent{0};  // imports that found the buffer no longer lent
+    std::atomic<bool> hold_imports{false};  // true: imports wait until false or stop()
     std::mutex mu;
     std::map<std::uintptr_t, int> lent;  // address -> exports still held by their sender
   };
@@ -49,6 +51,7 @@ struct HostChannel {
     k.failing_imports = 0;
     k.forgotten = 0;
     k.imports_of_unlent = 0;
+    k.hold_imports = false;
   }
   static int lent_now() {
     auto& k = knobs();
@@ -91,6 +94,9 @@ struct HostChannel {
 
   at::Tensor import_buffer(int /*peer*/, std::string_view d, std::int64_t nbytes) {
     auto& k = knobs();
+    while (k.hold_imports.load() && !stopped_.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     if (k.failing_imports.load() > 0) {
       --k.failing_imports;
       throw std::runtime_error("host_channel: import refused (test)");
@@ -112,6 +118,11 @@ struct HostChannel {
   }
 
   void forget(int /*peer*/) { ++knobs().forgotten; }
+  // The policy gives up waits inside import_buffer (a held import returns).
+  void stop() { stopped_ = true; }
+
+ private:
+  std::atomic<bool> stopped_{false};
 };
 
 template <class T>

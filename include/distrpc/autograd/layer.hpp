@@ -184,7 +184,7 @@ class AutogradLayer final : public AgentExtension,
     PassCount count(*this);
     // This backward's id: every pass it starts anywhere reports to it (termination.hpp).
     const Origin origin{self_id(), next_message_id()};
-    auto tracker = std::make_shared<detail::BackwardTracker>();
+    auto tracker = std::make_shared<detail::BackwardTracker>(origin.root);
     TrackerEntry entry(*this, origin.backward_id, tracker);
     // The first pass counts as a message of its own, done when it ran: nothing finishes while it
     // still sends.
@@ -192,7 +192,7 @@ class AutogradLayer final : public AgentExtension,
     try {
       dist_autograd::detail::CurrentContextScope current(context_id);
       run_pass(ctx, edges, grads, retain_graph, origin);
-      tracker->report(origin.backward_id, {}, {});
+      tracker->report(origin.root, origin.backward_id, {}, {});
     } catch (...) {
       tracker->fail(std::current_exception());
     }
@@ -313,7 +313,7 @@ class AutogradLayer final : public AgentExtension,
       case kGradients:
         return receive_gradients(peer, m);
       case kReport:
-        receive_report(m);
+        receive_report(peer, m);
         return make_ready_future(distrpc::detail::empty_response());
       case kCleanup: {
         std::vector<std::int64_t> ids;
@@ -340,17 +340,17 @@ class AutogradLayer final : public AgentExtension,
                                                          " stopped during the backward pass")));
     }
   }
-  // A backward waiting for a pass on a lost worker fails now, naming it (the call that sent the
-  // gradients there may have been answered already: the pass itself was still to report).
+  // A backward waiting for a pass on a lost worker, or for gradients it sent to this root, fails
+  // now, naming it (the call that sent the gradients there may have been answered already: the
+  // pass itself was still to report).
   void on_peer_lost(int peer) override {
-    for (auto& t : trackers()) {
-      if (!t->waits_for(peer)) continue;
-      std::string name = std::to_string(peer);
-      if (auto pass = gate_->enter()) name = pass->host_worker(peer).name;
-      t->fail(std::make_exception_ptr(std::runtime_error("worker " + name + " (id " +
-                                                         std::to_string(peer) +
-                                                         ") was lost during the backward pass")));
-    }
+    auto all = trackers();
+    if (all.empty()) return;
+    std::string name = std::to_string(peer);
+    if (auto pass = gate_->enter()) name = pass->host_worker(peer).name;
+    const auto error = std::make_exception_ptr(std::runtime_error(
+        "worker " + name + " (id " + std::to_string(peer) + ") was lost during the backward pass"));
+    for (auto& t : all) t->lost(peer, error);
   }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
@@ -560,7 +560,8 @@ class AutogradLayer final : public AgentExtension,
       reply = make_exceptional_future<wire::Message>(std::current_exception());
     }
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
-    reply.add_done_callback([weak, t, origin, id](const Future<wire::Message>& r) {
+    reply.add_done_callback([weak, t, origin, id,
+                             to = recv.from()](const Future<wire::Message>& r) {
       auto self = weak.lock();
       if (!self) return;
       if (r.has_error()) {
@@ -574,7 +575,7 @@ class AutogradLayer final : public AgentExtension,
       try {
         Sent s;
         wire::decode(r.value(), s.ids, s.dsts);
-        t->report(id, s.ids, s.dsts);
+        t->report(to, id, s.ids, s.dsts);
       } catch (...) {
         t->fail(std::current_exception());
       }
@@ -586,13 +587,7 @@ class AutogradLayer final : public AgentExtension,
   void report_to_root(const Origin& origin, std::int64_t processed, const Sent& sent,
                       const std::string& error) {
     if (origin.root == self_id()) {
-      auto t = tracker(origin.backward_id);
-      if (!t) return;
-      if (error.empty()) {
-        t->report(processed, sent.ids, sent.dsts);
-      } else {
-        t->fail(std::make_exception_ptr(std::runtime_error(error)));
-      }
+      apply_report(origin.backward_id, self_id(), processed, sent, error);
       return;
     }
     wire::Message m;
@@ -610,13 +605,25 @@ class AutogradLayer final : public AgentExtension,
     (void)reply;
   }
 
-  void receive_report(const wire::Message& m) {
-    Origin origin{self_id(), -1};
+  // Here on the root: worker `from` reports on backward `backward_id`.
+  void apply_report(std::int64_t backward_id, int from, std::int64_t processed, const Sent& sent,
+                    const std::string& error) {
+    auto t = tracker(backward_id);
+    if (!t) return;
+    if (error.empty()) {
+      t->report(from, processed, sent.ids, sent.dsts);
+    } else {
+      t->fail(std::make_exception_ptr(std::runtime_error(error)));
+    }
+  }
+
+  void receive_report(int peer, const wire::Message& m) {
+    std::int64_t backward_id = -1;
     std::int64_t processed = -1;
     Sent sent;
     std::string error;
-    wire::decode(m, origin.backward_id, processed, sent.ids, sent.dsts, error);
-    report_to_root(origin, processed, sent, error);
+    wire::decode(m, backward_id, processed, sent.ids, sent.dsts, error);
+    apply_report(backward_id, peer, processed, sent, error);
   }
 
   // Gradients for one of this worker's send functions: its pass runs here when this is not a
@@ -634,6 +641,10 @@ class AutogradLayer final : public AgentExtension,
     // Which backward it serves comes first: gradients another worker sent to the root get no
     // answer, so the root learns from here when they cannot be read or run.
     ar(origin.root, origin.backward_id, id, context_id, send_id, retain_graph);
+    // Here on the root, gradients another worker sent no longer depend on that worker.
+    if (unanswered(peer, self_id(), origin)) {
+      if (auto t = tracker(origin.backward_id)) t->arrived(id);
+    }
     try {
       ar(grads);
       ar.finish();

@@ -11,6 +11,10 @@
 // message the root created itself, counted when sent. The root's own first pass counts as a
 // message too, so nothing finishes while it still sends.
 //
+// A lost worker fails the backward when the count still needs it: a message to it not processed,
+// or one it sent to the root (which gets no answer) not arrived. That message may only be named
+// by a report read after the loss, so lost workers are remembered for the rest of the backward.
+//
 // Compared with answering each gradient message only when everything it started is done (a
 // chain of nested replies), the root learns of every pass directly: a backward across two
 // workers costs one round trip, not one per hop.
@@ -18,6 +22,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -30,56 +35,102 @@ namespace distrpc::dist_autograd::detail {
 
 class BackwardTracker {
  public:
-  // A message this worker is about to send (or its own first pass: dst = itself).
-  void created(std::int64_t id, int dst) { apply(id, {id}, {dst}, /*processed=*/false); }
+  explicit BackwardTracker(int root) : root_(root) {}
 
-  // A report: `processed` (or -1) is done, and its pass sent `ids` to `dsts`.
-  void report(std::int64_t processed, const std::vector<std::int64_t>& ids,
+  // A message this worker is about to send (or its own first pass: dst = itself).
+  void created(std::int64_t id, int dst) { apply(root_, id, {id}, {dst}, /*processed=*/false); }
+
+  // A report from worker `from`: `processed` (or -1) is done, and its pass sent `ids` to `dsts`.
+  void report(int from, std::int64_t processed, const std::vector<std::int64_t>& ids,
               const std::vector<int>& dsts) {
-    apply(processed, ids, dsts, /*processed=*/true);
+    apply(from, processed, ids, dsts, /*processed=*/true);
+  }
+
+  // Gradients message `id` reached the root, which runs its pass now: from here on, its sender's
+  // loss no longer matters to it.
+  void arrived(std::int64_t id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    counts_[id].arrived = true;
+  }
+
+  // Worker `worker` was lost: the backward fails with `error` when a pass there is still to run,
+  // or a message it sent to the root has not arrived (gradients for the root get no answer, so
+  // nothing else would time out). Remembered, since the report that names such a message may be
+  // read after the loss was.
+  void lost(int worker, std::exception_ptr error) {
+    bool fails = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      lost_.emplace(worker, error);
+      for (const auto& [id, e] : counts_) fails = fails || waits_on(e, worker);
+    }
+    if (fails) fail(std::move(error));
+  }
+
+  // True when the backward cannot be done without worker `worker` (see lost()).
+  bool waits_for(int worker) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [id, e] : counts_) {
+      if (waits_on(e, worker)) return true;
+    }
+    return false;
   }
 
   // The first failure wins; later reports change nothing.
   void fail(std::exception_ptr e) { done_.try_set_exception(std::move(e)); }
-
-  // True when a message sent to `worker` is known and not processed yet.
-  bool waits_for(int worker) const {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (const auto& [id, e] : counts_) {
-      if (e.count > 0 && e.dst == worker) return true;
-    }
-    return false;
-  }
 
   const Future<void>& done() const { return done_; }
 
  private:
   struct Entry {
     int count = 0;
-    int dst = -1;  // -1: its creation not reported yet
+    int dst = -1;          // -1: its creation not reported yet
+    int src = -1;          // who reported its creation
+    bool arrived = false;  // a message to the root: it came (arrived())
   };
 
-  void apply(std::int64_t processed, const std::vector<std::int64_t>& ids,
+  // Whether `e` cannot be done without worker `w`: a pass to run there, or a message from there
+  // to the root still on its way.
+  bool waits_on(const Entry& e, int w) const {
+    return e.count > 0 && (e.dst == w || (e.src == w && e.dst == root_ && !e.arrived));
+  }
+
+  void apply(int from, std::int64_t processed, const std::vector<std::int64_t>& ids,
              const std::vector<int>& dsts, bool has_processed) {
     bool finished = false;
+    std::exception_ptr failure;
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (std::size_t i = 0; i < ids.size(); ++i) {
         Entry& e = counts_[ids[i]];
         e.dst = i < dsts.size() ? dsts[i] : -1;
+        e.src = from;
         if (++e.count == 0) counts_.erase(ids[i]);
       }
       if (has_processed && processed >= 0) {
         if (--counts_[processed].count == 0) counts_.erase(processed);
       }
       finished = counts_.empty();
+      // An entry of count 0 kept for its arrival stays until its pass reports; one that waits on
+      // a worker already lost fails the backward now.
+      for (const auto& [worker, error] : lost_) {
+        for (const auto& [id, e] : counts_) {
+          if (!failure && waits_on(e, worker)) failure = error;
+        }
+      }
     }
     // Outside the lock: completing runs the waiter's callbacks.
-    if (finished) done_.try_set_value();
+    if (failure) {
+      fail(std::move(failure));
+    } else if (finished) {
+      done_.try_set_value();
+    }
   }
 
+  const int root_;
   mutable std::mutex mu_;
   std::unordered_map<std::int64_t, Entry> counts_;
+  std::map<int, std::exception_ptr> lost_;
   Future<void> done_;
 };
 

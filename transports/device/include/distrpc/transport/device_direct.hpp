@@ -23,7 +23,9 @@
 //
 // Failures: a descriptor the channel cannot import (a CUDA error) leaves that buffer empty and is
 // logged; the message still reaches the agent, whose decoder then fails the call at once (nothing
-// waits for a timeout). A lost peer's loans are not returned at once: a receiver that read the
+// waits for a timeout). A receiver that shuts down with Transfers still queued sends their
+// Releases unread, best effort, so their senders need not wait for its loss. A lost peer's
+// loans are not returned at once: a receiver that read the
 // Transfer before the connection broke may still be copying, and memory returned to the
 // allocator could be reused under it. They are returned when that worker is registered again,
 // after kOrphanGrace (10 s), or at shutdown. Shutdown first waits (for half the time it is
@@ -348,6 +350,7 @@ struct DeviceDirect {
     // its peer is gone (a peer shutting down at the same time drops the Transfers it queued),
     // and T needs the rest to stop its own threads.
     std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
+      std::vector<std::pair<int, std::uint64_t>> unread;
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (shut_down_) return 0;
@@ -358,9 +361,14 @@ struct DeviceDirect {
         // The receiving thread takes nothing more (no import for a worker that is going away),
         // and what T still delivers while it stops is dropped.
         stopping_ = true;
+        unread = unread_loans_locked();
         queue_.clear();
       }
       cv_.notify_all();
+      // Transfers dropped unread: their senders may free those buffers now rather than keep them
+      // until they notice this worker is gone (kOrphanGrace after). Best effort, while T still
+      // runs; nothing here read their memory.
+      for (const auto& [peer, loan] : unread) send_release(peer, loan);
       if constexpr (requires { channel_.stop(); }) channel_.stop();
       const std::size_t abandoned = inner_ ? shutdown_until(*inner_, deadline) : 0;
       stop_receiver();
@@ -550,6 +558,23 @@ struct DeviceDirect {
         lk.lock();
         if (item) --queued_[item->peer];
       }
+    }
+
+    // The (peer, loan) of every Transfer still queued (a header that does not decode is skipped:
+    // its loan id cannot be trusted).
+    std::vector<std::pair<int, std::uint64_t>> unread_loans_locked() const {
+      std::vector<std::pair<int, std::uint64_t>> out;
+      for (const auto& item : queue_) {
+        const auto& m = item.message;
+        if (item.lost || m.type != detail::kTransfer || m.buffers.empty()) continue;
+        try {
+          out.emplace_back(item.peer, detail::decode_transfer_header(
+                                          m.buffers.back(), m.buffers.size() - 1, max_bytes_)
+                                          .loan);
+        } catch (const std::exception&) {
+        }
+      }
+      return out;
     }
 
     void send_release(int peer, std::uint64_t loan) {
