@@ -246,7 +246,7 @@ TEST_CASE(
     a.ctx->send(1, make_message(MessageType::Request, 10 + i, "q", {pattern_bytes(2000, i)}));
   }
   CHECK(stats(a).lent == 3);
-  std::this_thread::sleep_for(300ms);  // the three are read and queued at b
+  REQUIRE(eventually([&] { return stats(*b).queued == 3; }, 10s));  // one held, two behind it
   CHECK(b->inbox.message_count() == 0);
   b->ctx->shutdown(std::chrono::steady_clock::now() + 2s);
   // The two queued behind the held import were released unread; the held one was given up

@@ -1067,7 +1067,7 @@ TEST_CASE(
   t.report(1, 2, {3, 4}, {2, 2});  // #2 ran on worker1 and sent #3 and #4 to worker2
   CHECK_FALSE(t.done().done());
   CHECK(t.waits_for(2));
-  CHECK_FALSE(t.waits_for(1));
+  CHECK(t.waits_for(1));  // as the sender of #4, not processed yet
   t.report(2, 4, {}, {});
   CHECK(t.done().has_value());
 
@@ -1091,8 +1091,8 @@ std::unique_ptr<distrpc::dist_autograd::detail::BackwardTracker> started() {
 }  // namespace
 
 TEST_CASE(
-    "dist autograd: the root's count needs a worker until the gradients it sent to the root "
-    "arrived, and fails on its loss even when the report naming them is read after the loss") {
+    "dist autograd: the root's count needs a worker until what it sent ran (or reached the "
+    "root), and fails on its loss even when the report naming it is read after the loss") {
   const auto lost1 = std::make_exception_ptr(std::runtime_error("worker1 was lost"));
   // In order: #2's answer lists #3 (worker1 to the root); #3 arrives; worker1 is lost meanwhile.
   auto t = started();
@@ -1135,6 +1135,18 @@ TEST_CASE(
   CHECK_FALSE(m->done().done());
   m->report(0, 4, {}, {});
   CHECK(m->done().has_value());
+  // Worker1's answer lists #3 for worker2; worker1 is lost before #3 ran there (it may never
+  // have left: the call's timeout that would report it ran on worker1).
+  auto chain = started();
+  chain->report(1, 2, {3}, {2});
+  chain->lost(1, lost1);
+  CHECK(chain->done().has_error());
+  // The same with worker2's report read first: nothing needs worker1 any more.
+  auto ran = started();
+  ran->report(2, 3, {}, {});
+  ran->report(1, 2, {3}, {2});
+  ran->lost(1, lost1);
+  CHECK(ran->done().has_value());
   // A pass still to run on the lost worker fails at once.
   auto pending = started();
   pending->lost(1, lost1);

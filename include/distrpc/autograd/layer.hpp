@@ -122,6 +122,9 @@ class AutogradLayer final : public AgentExtension,
   // backward() reads the transport itself for this long before it sleeps (a short step's
   // passes elsewhere answer well within it; a long one costs this much spinning once).
   static constexpr std::chrono::milliseconds kBackwardDrive{2};
+  // A lost worker fails the backwards that still need it this long after its loss was noticed,
+  // once what it sent before has been handled (on_peer_lost).
+  static constexpr std::chrono::milliseconds kLossGrace{500};
 
   // The agent is reached through its gate only (agent/extension.hpp, distrpc::detail::HostGate):
   // this layer outlives the agent when a user thread releases a context (or waits for a
@@ -340,17 +343,27 @@ class AutogradLayer final : public AgentExtension,
                                                          " stopped during the backward pass")));
     }
   }
-  // A backward waiting for a pass on a lost worker, or for gradients it sent to this root, fails
-  // now, naming it (the call that sent the gradients there may have been answered already: the
-  // pass itself was still to report).
+  // A backward that still needs a lost worker fails, naming it (termination.hpp says when). Not
+  // at once: what that worker sent before it was lost (a report, gradients for this root) may
+  // still wait for a thread here, and is handled first: the loss counts kLossGrace later.
   void on_peer_lost(int peer) override {
-    auto all = trackers();
-    if (all.empty()) return;
+    if (trackers().empty()) return;  // a backward started from now on cannot reach it
     std::string name = std::to_string(peer);
-    if (auto pass = gate_->enter()) name = pass->host_worker(peer).name;
+    try {
+      if (auto pass = gate_->enter()) name = pass->host_worker(peer).name;
+    } catch (const std::exception&) {
+      // A member that already left the group: its id names it.
+    }
     const auto error = std::make_exception_ptr(std::runtime_error(
         "worker " + name + " (id " + std::to_string(peer) + ") was lost during the backward pass"));
-    for (auto& t : all) t->lost(peer, error);
+    std::weak_ptr<AutogradLayer> weak = weak_from_this();
+    auto apply = [weak, peer, error] {
+      if (auto self = weak.lock()) {
+        for (auto& t : self->trackers()) t->lost(peer, error);
+      }
+    };
+    auto pass = gate_->enter();
+    if (!pass || !pass->host_after(kLossGrace, apply)) apply();
   }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());

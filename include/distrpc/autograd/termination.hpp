@@ -12,8 +12,11 @@
 // message too, so nothing finishes while it still sends.
 //
 // A lost worker fails the backward when the count still needs it: a message to it not processed,
-// or one it sent to the root (which gets no answer) not arrived. That message may only be named
-// by a report read after the loss, so lost workers are remembered for the rest of the backward.
+// or one it sent not processed yet (gradients for the root get no answer, so nothing else would
+// time out; between two other workers the answer's timeout ran on the lost one), except gradients
+// for the root that already arrived. Such a message may only be named by a report read after the
+// loss, so lost workers are remembered for the rest of the backward. (As in PyTorch, where a
+// worker answers a pass only once everything it sent was answered: losing it fails the backward.)
 //
 // Compared with answering each gradient message only when everything it started is done (a
 // chain of nested replies), the root learns of every pass directly: a backward across two
@@ -54,9 +57,8 @@ class BackwardTracker {
   }
 
   // Worker `worker` was lost: the backward fails with `error` when a pass there is still to run,
-  // or a message it sent to the root has not arrived (gradients for the root get no answer, so
-  // nothing else would time out). Remembered, since the report that names such a message may be
-  // read after the loss was.
+  // or a message it sent is not processed yet (see the top). Remembered, since the report that
+  // names such a message may be read after the loss was.
   void lost(int worker, std::exception_ptr error) {
     bool fails = false;
     {
@@ -90,9 +92,9 @@ class BackwardTracker {
   };
 
   // Whether `e` cannot be done without worker `w`: a pass to run there, or a message from there
-  // to the root still on its way.
+  // not processed yet (unless it reached the root already).
   bool waits_on(const Entry& e, int w) const {
-    return e.count > 0 && (e.dst == w || (e.src == w && e.dst == root_ && !e.arrived));
+    return e.count > 0 && (e.dst == w || (e.src == w && !(e.dst == root_ && e.arrived)));
   }
 
   void apply(int from, std::int64_t processed, const std::vector<std::int64_t>& ids,

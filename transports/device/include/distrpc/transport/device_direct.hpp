@@ -105,6 +105,7 @@ struct DeviceDirectStats {
   std::uint64_t released = 0;  // loans the receivers returned
   std::uint64_t lent = 0;      // loans not yet returned
   std::uint64_t orphaned = 0;  // loans to peers lost before releasing them (kept a while)
+  std::uint64_t queued = 0;    // received messages waiting for (or in) the receiving thread
 };
 
 namespace detail {
@@ -351,12 +352,13 @@ struct DeviceDirect {
     // and T needs the rest to stop its own threads.
     std::size_t shutdown(std::chrono::steady_clock::time_point deadline) {
       std::vector<std::pair<int, std::uint64_t>> unread;
+      Clock::time_point loans_until;
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (shut_down_) return 0;
         shut_down_ = true;
         const auto now = Clock::now();
-        const auto loans_until = deadline > now ? now + (deadline - now) / 2 : deadline;
+        loans_until = deadline > now ? now + (deadline - now) / 2 : deadline;
         cv_.wait_until(lk, loans_until, [&] { return stats_.lent == 0; });
         // The receiving thread takes nothing more (no import for a worker that is going away),
         // and what T still delivers while it stops is dropped.
@@ -367,8 +369,12 @@ struct DeviceDirect {
       cv_.notify_all();
       // Transfers dropped unread: their senders may free those buffers now rather than keep them
       // until they notice this worker is gone (kOrphanGrace after). Best effort, while T still
-      // runs; nothing here read their memory.
-      for (const auto& [peer, loan] : unread) send_release(peer, loan);
+      // runs, and only within the half of the time left that was the loans' (a send may block);
+      // nothing here read their memory.
+      for (const auto& [peer, loan] : unread) {
+        if (Clock::now() >= loans_until) break;
+        send_release(peer, loan);
+      }
       if constexpr (requires { channel_.stop(); }) channel_.stop();
       const std::size_t abandoned = inner_ ? shutdown_until(*inner_, deadline) : 0;
       stop_receiver();
@@ -392,7 +398,9 @@ struct DeviceDirect {
 
     DeviceDirectStats stats() const {
       std::lock_guard<std::mutex> lk(mu_);
-      return stats_;
+      DeviceDirectStats out = stats_;
+      for (const auto& [peer, n] : queued_) out.queued += n;
+      return out;
     }
     // Whether the channel reaches worker `peer` (known once add_peer() ran).
     bool reaches(int peer) const {
