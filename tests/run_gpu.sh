@@ -95,6 +95,10 @@ fi
 check_link_order "$build" $targets
 
 logdir=$(mktemp -d)
+# The CUDA IPC cases expect tensors from plain cudaMalloc blocks, which CUDA IPC can export:
+# expandable segments and the cudaMallocAsync backend give memory it cannot (those tensors then
+# take the CPU path, correctly, but the cases count channel transfers).
+unset PYTORCH_CUDA_ALLOC_CONF
 export DISTRPC_PARALLEL_SUITES=${DISTRPC_PARALLEL_SUITES:-$([ "$(nproc)" -ge 8 ] && echo 1 || echo 0)}
 if [ "${DISTRPC_GPU_QUICK:-0}" = "1" ]; then
   # doctest's -tc is case-insensitive: every case naming a device, CUDA or a GPU, and those of

@@ -814,7 +814,11 @@ class NcclBackend : public Backend {
       const Pending* late = nullptr;
       auto next = now + std::chrono::milliseconds(100);
       for (const auto& [id, p] : state->pending) {
-        const auto deadline = p.started + p.timeout;
+        // A timeout past the clock's range (milliseconds::max() for "never") has no deadline.
+        const auto deadline = p.timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(
+                                               Clock::time_point::max() - p.started)
+                                  ? Clock::time_point::max()
+                                  : p.started + p.timeout;
         if (deadline <= now) {
           late = &p;
           break;
@@ -850,8 +854,10 @@ class NcclBackend : public Backend {
       {
         // Normally no call is inside NCCL and this takes the lock at once. A caller stuck inside
         // one (a send whose peer never comes) holds it: after a second the abort goes ahead
-        // anyway, which is what ends that call; that caller then sees the abort and touches the
-        // communicator no more.
+        // anyway, which is what ends that call. Known unsafe: the communicator is blocking, and
+        // NCCL supports aborting it from another thread only when it is non-blocking (the stuck
+        // call then returns through freed state). A hang there is traded for that risk until
+        // the communicator is made non-blocking (docs/cuda.md, "Not there yet").
         std::unique_lock issue(issue_mu_, std::defer_lock);
         (void)issue.try_lock_for(std::chrono::seconds(1));
         if (!aborted_) {

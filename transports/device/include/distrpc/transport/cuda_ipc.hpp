@@ -1,9 +1,12 @@
 // CudaIpc<T>: DeviceDirect<T, CudaIpcChannel> (device_direct.hpp). CUDA tensors between processes
-// on one host go GPU to GPU through CUDA IPC: the receiver maps the sender's allocation once (an
-// IPC memory handle, cached per sender allocation) and copies the bytes into memory of its own on
-// its GPU, after an interprocess event the sender recorded on its current stream, so the copy
-// starts when the tensor is complete. The message itself travels over T. Peers on other hosts, and
-// tensors the channel cannot export, go through a CPU copy as on any other policy.
+// on one host go GPU to GPU through CUDA IPC: the receiver maps the sender's allocation (an IPC
+// memory handle) and copies the bytes into memory of its own on its GPU, after an interprocess
+// event the sender recorded on its current stream, so the copy starts when the tensor is complete.
+// The mapping is closed once the copy is done, before the loan goes back: the sender's caching
+// allocator may free that allocation later (empty_cache, a retry after running out of memory),
+// and CUDA leaves freeing an allocation that another process still maps undefined. The message
+// itself travels over T. Peers on other hosts, and tensors the channel cannot export, go through a
+// CPU copy as on any other policy.
 //
 // Needs the CUDA runtime (meson: distrpc_cuda_ipc_dep, found where the nccl backend's is) and a
 // CUDA libtorch at run time; the receiver's buffer comes from libtorch's caching allocator.
@@ -20,7 +23,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -192,7 +194,16 @@ class CudaIpcChannel {
     detail::cuda_check(cudaDeviceGetByPCIBusId(&device, d.bus_id), "cudaDeviceGetByPCIBusId");
     detail::CudaDeviceScope on(device);
     Opened& opened = opened_for(peer);
-    const Mapping& mapping = map(opened, d);
+    // Closed on every way out, on this device, once nothing queued can still read it.
+    Mapping mapping = map(d);
+    bool queued = false;  // a copy from it may still run: then it is never closed (below)
+    struct Closer {
+      const Mapping& m;
+      const bool& queued;
+      ~Closer() {
+        if (!queued) (void)cudaIpcCloseMemHandle(m.base);
+      }
+    } closer{mapping, queued};
     // Bounded by what the driver mapped, not by the sender's word.
     const std::uint64_t end = d.offset + static_cast<std::uint64_t>(nbytes);
     if (end < d.offset || end > mapping.bytes) {
@@ -218,10 +229,14 @@ class CudaIpcChannel {
         cudaMemcpyAsync(out.data_ptr(), mapping.base + d.offset, static_cast<std::size_t>(nbytes),
                         cudaMemcpyDeviceToDevice, s),
         "cudaMemcpyAsync");
+    queued = true;
     // Complete before the sender hears its loan is back (and may reuse the memory), and before
     // the receiver's code, on whichever stream, reads it. Polled, so that stop() can end a wait
-    // for a sender whose stream never gets there.
+    // for a sender whose stream never gets there: the copy then stays queued, so the mapping it
+    // reads is left open for good (closing it would make the copy fault, and a fault poisons the
+    // whole process's CUDA context).
     wait(s);
+    queued = false;
     // The block belongs to the copy stream, but the decoder and handlers read it on the device's
     // default stream: the allocator then reuses it only after that stream's work on it is done.
     cuda.recordDataPtrOnStream(out.storage().data_ptr(), cuda.getDefaultStream(where));
@@ -242,17 +257,14 @@ class CudaIpcChannel {
   void stop() { stopping_ = true; }
 
  private:
-  // What this receiver opened of one sender: its allocations mapped here and its events, each
-  // keyed by the handle's bytes (a sender's allocation has one handle; its events are pooled and
-  // come back). At most kMaxMapped allocations stay mapped: the least recently used is closed.
-  static constexpr std::size_t kMaxMapped = 64;
+  // A sender's allocation mapped here for one copy.
   struct Mapping {
     char* base = nullptr;
     std::uint64_t bytes = 0;  // the driver's size of the mapped allocation
   };
+  // What this receiver opened of one sender and keeps: its events, keyed by the handle's bytes
+  // (they are pooled by the sender and come back).
   struct Opened {
-    std::map<std::string, Mapping> mapped;
-    std::deque<std::string> recent;  // least recently used first
     std::map<std::string, cudaEvent_t> events;
   };
   // A loan's part here: the snapshot lent, and its event, back to the pool once released.
@@ -344,18 +356,12 @@ class CudaIpcChannel {
   }
 
   static void close_all(Opened& o) {
-    for (auto& [key, m] : o.mapped) (void)cudaIpcCloseMemHandle(m.base);
     for (auto& [key, e] : o.events) (void)cudaEventDestroy(e);
     o = Opened{};
   }
 
-  static const Mapping& map(Opened& o, const detail::IpcDescriptor& d) {
-    const std::string key(reinterpret_cast<const char*>(&d.memory), sizeof d.memory);
-    if (const auto it = o.mapped.find(key); it != o.mapped.end()) {
-      o.recent.erase(std::find(o.recent.begin(), o.recent.end(), key));
-      o.recent.push_back(key);
-      return it->second;
-    }
+  // Maps the allocation `d` names (the caller closes it).
+  static Mapping map(const detail::IpcDescriptor& d) {
     void* p = nullptr;
     detail::cuda_check(cudaIpcOpenMemHandle(&p, d.memory, cudaIpcMemLazyEnablePeerAccess),
                        "cudaIpcOpenMemHandle");
@@ -366,13 +372,7 @@ class CudaIpcChannel {
       (void)cudaIpcCloseMemHandle(p);
       throw;
     }
-    if (o.recent.size() >= kMaxMapped) {
-      (void)cudaIpcCloseMemHandle(o.mapped[o.recent.front()].base);
-      o.mapped.erase(o.recent.front());
-      o.recent.pop_front();
-    }
-    o.recent.push_back(key);
-    return o.mapped.emplace(key, m).first->second;
+    return m;
   }
 
   static cudaEvent_t event(Opened& o, const cudaIpcEventHandle_t& h) {
