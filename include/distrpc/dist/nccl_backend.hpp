@@ -157,8 +157,14 @@ class NcclBackend : public Backend {
     ready_.emplace(c10::kCUDA);
     (void)native(stream_);  // a libtorch that cannot name it fails here, before the group meets
     comm_ = join(*store, rank, size, timeout);
-    state_ = std::make_shared<State>();
-    completer_ = std::thread([this] { complete_loop(); });
+    try {
+      state_ = std::make_shared<State>();
+      completer_ = std::thread([this] { complete_loop(); });
+    } catch (...) {
+      // No destructor runs for a constructor that throws: the communicator goes here.
+      (void)ncclCommAbort(comm_);
+      throw;
+    }
   }
 
   ~NcclBackend() override { shutdown(); }
