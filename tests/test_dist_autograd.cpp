@@ -1260,9 +1260,8 @@ DISTRPC_MP_TEST(
     "late, 8 worker threads) nested contexts are released on every worker within 10 s",
     3, 90) {
   RpcBackendOptions o;
-  o.init_method = ctx.file_url();
   o.num_worker_threads = 8;
-  distrpc::init_rpc<FaultyTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  init_on<FaultyTcp>(ctx, o);
   if (ctx.rank == 0) {
     std::int64_t id = -1;
     at::Tensor t1 = torch::rand({3, 3}, torch::requires_grad());
@@ -1326,9 +1325,7 @@ DISTRPC_MP_TEST(
     "dist autograd: gradients another worker cannot send back to the root fail backward there, "
     "naming that worker and the send's error; the next pass in the context succeeds",
     2, 60) {
-  RpcBackendOptions o;
-  o.init_method = ctx.file_url();
-  distrpc::init_rpc<GradientFaultyTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  init_on<GradientFaultyTcp>(ctx);
   if (ctx.rank == 0) {
     at::Tensor t = torch::ones({2}, torch::requires_grad());
     at::Tensor u = torch::full({2}, 3.0, torch::requires_grad());
@@ -1349,9 +1346,7 @@ DISTRPC_MP_TEST(
     "dist autograd: the root waits for gradients its report overtook; when their sender is lost "
     "before they leave, backward fails within 2 s of the loss, naming it",
     2, 60) {
-  RpcBackendOptions o;
-  o.init_method = ctx.file_url();
-  distrpc::init_rpc<LateGradientsTcp>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  init_on<LateGradientsTcp>(ctx);
   const auto kind = da::AutogradLayer::message_type(da::AutogradLayer::kGradients);
   if (ctx.rank == 0) {
     at::Tensor t = torch::ones({2}, torch::requires_grad());

@@ -32,6 +32,13 @@ inline void init(const RankContext& ctx, RpcBackendOptions o = {}) {
   init_rpc_under_test(wname(ctx.rank), ctx.rank, ctx.world, o);
 }
 
+// The same on transport policy `T` (a case that needs one of its own, e.g. Faulty<Tcp, ...>).
+template <class T>
+void init_on(const RankContext& ctx, RpcBackendOptions o = {}) {
+  o.init_method = ctx.file_url();
+  distrpc::init_rpc<T>(wname(ctx.rank), ctx.rank, ctx.world, o);
+}
+
 // A fresh rendezvous file of this run (for a second init in the same processes).
 inline std::string file_url(const RankContext& ctx, const std::string& tag) {
   return "file://" + ctx.dir + "/rendezvous-" + tag;

@@ -60,13 +60,13 @@ class BackwardTracker {
   // or a message it sent is not processed yet (see the top). Remembered, since the report that
   // names such a message may be read after the loss was.
   void lost(int worker, std::exception_ptr error) {
-    bool fails = false;
+    std::exception_ptr failure;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      lost_.emplace(worker, error);
-      for (const auto& [id, e] : counts_) fails = fails || waits_on(e, worker);
+      lost_.emplace(worker, std::move(error));
+      failure = lost_failure_locked();
     }
-    if (fails) fail(std::move(error));
+    if (failure) fail(std::move(failure));
   }
 
   // True when the backward cannot be done without worker `worker` (see lost()).
@@ -97,6 +97,17 @@ class BackwardTracker {
     return e.count > 0 && (e.dst == w || (e.src == w && !(e.dst == root_ && e.arrived)));
   }
 
+  // Under mu_: the error of a lost worker that an entry still waits on, else null. (An earlier
+  // lost worker's error, when it is returned for a later loss, had failed the backward already.)
+  std::exception_ptr lost_failure_locked() const {
+    for (const auto& [worker, error] : lost_) {
+      for (const auto& [id, e] : counts_) {
+        if (waits_on(e, worker)) return error;
+      }
+    }
+    return nullptr;
+  }
+
   void apply(int from, std::int64_t processed, const std::vector<std::int64_t>& ids,
              const std::vector<int>& dsts, bool has_processed) {
     bool finished = false;
@@ -115,11 +126,7 @@ class BackwardTracker {
       finished = counts_.empty();
       // An entry of count 0 kept for its arrival stays until its pass reports; one that waits on
       // a worker already lost fails the backward now.
-      for (const auto& [worker, error] : lost_) {
-        for (const auto& [id, e] : counts_) {
-          if (!failure && waits_on(e, worker)) failure = error;
-        }
-      }
+      failure = lost_failure_locked();
     }
     // Outside the lock: completing runs the waiter's callbacks.
     if (failure) {
