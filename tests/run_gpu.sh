@@ -14,6 +14,7 @@
 #   DISTRPC_PARALLEL_SUITES  1 (the default on 8 cores or more): the suites side by side, their
 #                      reports printed in order at the end (test_wire, whose transport cases
 #                      time themselves and look at machine-wide state, after the others, alone)
+#   DISTRPC_BENCH_LIMIT  seconds each GPU benchmark may run (300)
 #   PYTHON             the Python whose torch is used (python3)
 # Last line: "N passed, M failed"; exit non-zero on any failure.
 set -uo pipefail
@@ -118,14 +119,15 @@ rm -rf "$logdir"
 if [ "${DISTRPC_GPU_BENCH:-1}" = "1" ]; then
   header "GPU benchmarks (bench_rpc --cuda, PyTorch's RPC with a device map; bench_nccl, PyTorch's NCCL)"
   # A benchmark that fails (not one that skips for want of a GPU) counts as a failure.
+  bench_limit=${DISTRPC_BENCH_LIMIT:-300}
   # cuda_ipc: GPU to GPU through CUDA IPC (built where the CUDA runtime was found).
   for tr in cuda_ipc shm tcp; do
-    timeout 300 "$build/examples/bench_rpc" --cuda --transport "$tr" || failed=$((failed + 1))
+    timeout "$bench_limit" "$build/examples/bench_rpc" --cuda --transport "$tr" || failed=$((failed + 1))
   done
-  timeout 300 "$python" examples/reference/torch_cuda_rpc_ref.py || failed=$((failed + 1))
+  timeout "$bench_limit" "$python" examples/reference/torch_cuda_rpc_ref.py || failed=$((failed + 1))
   if [ -x "$build/examples/bench_nccl" ]; then
-    timeout 300 "$build/examples/bench_nccl" || failed=$((failed + 1))
-    timeout 300 "$python" examples/reference/torch_nccl_ref.py || failed=$((failed + 1))
+    timeout "$bench_limit" "$build/examples/bench_nccl" || failed=$((failed + 1))
+    timeout "$bench_limit" "$python" examples/reference/torch_nccl_ref.py || failed=$((failed + 1))
   fi
 fi
 header "end"

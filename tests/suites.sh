@@ -134,13 +134,15 @@ finish_suites() {
 # check_link_order DIR [PROGRAM...]: each program (paths relative to DIR; none given: every
 # program in DIR) that needs libtorch (or c10) lists libstdc++ before it among the libraries it
 # needs, so that std:: calls never bind to the libstdc++ copies that PyTorch's pip wheels export
-# (meson.build says why). One pass or one failure.
+# (meson.build says why). A compiler that links libstdc++ statically leaves it out of that list:
+# such a program passes when it imports no std:: symbol at all (its own copy answers them all).
+# One pass or one failure.
 check_link_order() {
-  local dir="$1" t needed first bad="" checked=0
+  local dir="$1" t needed first bad="" checked=0 static=0 imports
   shift
   header "link order (libstdc++ before libtorch)"
-  if ! command -v readelf >/dev/null; then
-    echo "   readelf (binutils) is missing: cannot check"
+  if ! command -v readelf >/dev/null || ! command -v nm >/dev/null; then
+    echo "   readelf or nm (binutils) is missing: cannot check"
     failed=$((failed + 1))
     return
   fi
@@ -149,7 +151,20 @@ check_link_order() {
     echo "$needed" | grep -qE '^lib(torch|c10)' || continue
     checked=$((checked + 1))
     first=$(echo "$needed" | grep -E '^lib(stdc\+\+|torch|c10)' | head -1)
-    [[ "$first" == libstdc++* ]] || bad="$bad ${t#"$dir"/}"
+    if [[ "$first" == libstdc++* ]]; then
+      continue
+    elif ! echo "$needed" | grep -q '^libstdc++'; then
+      # libstdc++ linked in: std:: names (_ZSt..., _ZNSt..., _ZNKSt...) must all be defined here.
+      imports=$(nm -D --undefined-only "$t" 2>/dev/null | awk '{print $NF}' |
+        grep -cE '^_Z(N|NK)?St' || true)
+      if [ "$imports" -eq 0 ]; then
+        static=$((static + 1))
+        continue
+      fi
+      bad="$bad ${t#"$dir"/}($imports std:: imports, no libstdc++)"
+    else
+      bad="$bad ${t#"$dir"/}"
+    fi
   done < <(if [ $# -gt 0 ]; then
     for t in "$@"; do [ -f "$dir/$t" ] && [ -x "$dir/$t" ] && echo "$dir/$t"; done
   else
@@ -159,7 +174,7 @@ check_link_order() {
     echo "   libtorch or c10 comes before libstdc++ in:$bad"
     failed=$((failed + 1))
   else
-    echo "   ok ($checked programs)"
+    echo "   ok ($checked programs; $static of them carry libstdc++ linked in)"
     passed=$((passed + 1))
   fi
 }

@@ -1500,22 +1500,25 @@ DISTRPC_MP_TARGET("dist autograd target: CUDA leaves through a device map") {
   init(ctx, o);
   if (ctx.rank == 0) {
     const c10::Device gpu(c10::kCUDA, 0);
-    da::Context c;
-    at::Tensor a = (at::ones({3, 3}, gpu) * 2).requires_grad_(true);
-    at::Tensor b = (at::ones({3, 3}, gpu) * 3).requires_grad_(true);
-    CHECK(distrpc::rpc_sync<&ag_test::device_of>("worker1", a) == "cuda:0");
-    at::Tensor ret = distrpc::rpc_sync<&ag_test::mul>("worker1", a, b);
-    CHECK(ret.device() == gpu);
-    da::backward(c.id(), {ret.sum()});
-    const at::Tensor ga = grad_of(c.id(), a);
-    const at::Tensor gb = grad_of(c.id(), b);
-    REQUIRE(ga.defined());
-    REQUIRE(gb.defined());
-    CHECK(ga.device() == gpu);
-    CHECK(gb.device() == gpu);
-    CHECK(same(ga.cpu(), at::ones({3, 3}) * 3));
-    CHECK(same(gb.cpu(), at::ones({3, 3}) * 2));
-    // A local-only backward on CUDA equals autograd's own .grad.
+    {
+      da::Context c;
+      at::Tensor a = (at::ones({3, 3}, gpu) * 2).requires_grad_(true);
+      at::Tensor b = (at::ones({3, 3}, gpu) * 3).requires_grad_(true);
+      CHECK(distrpc::rpc_sync<&ag_test::device_of>("worker1", a) == "cuda:0");
+      at::Tensor ret = distrpc::rpc_sync<&ag_test::mul>("worker1", a, b);
+      CHECK(ret.device() == gpu);
+      da::backward(c.id(), {ret.sum()});
+      const at::Tensor ga = grad_of(c.id(), a);
+      const at::Tensor gb = grad_of(c.id(), b);
+      REQUIRE(ga.defined());
+      REQUIRE(gb.defined());
+      CHECK(ga.device() == gpu);
+      CHECK(gb.device() == gpu);
+      CHECK(same(ga.cpu(), at::ones({3, 3}) * 3));
+      CHECK(same(gb.cpu(), at::ones({3, 3}) * 2));
+    }
+    // A local-only backward on CUDA equals autograd's own .grad (a context of its own: one
+    // context per thread at a time).
     da::Context local;
     at::Tensor x =
         at::arange(4, at::TensorOptions().dtype(at::kFloat).device(gpu)).requires_grad_(true);

@@ -103,9 +103,11 @@ TEST_CASE("nccl backend: every operation at world 1 on cuda:0") {
   CHECK(b->allreduce(one, {distrpc::dist::make_premul_sum(2.0)})->wait());
   CHECK(at::equal(one[0], base * 2));
 
-  std::vector<at::Tensor> flags{at::tensor({true, false}, on(0, at::kBool))};
+  // (Made from integers: libtorch 2.11's at::tensor() cannot make a bool tensor on a GPU.)
+  const at::Tensor bools = at::tensor({1, 0}, at::kInt).to(on(0, at::kBool));
+  std::vector<at::Tensor> flags{bools.clone()};
   CHECK(b->allreduce(flags)->wait());  // SUM on bool: logical or
-  CHECK(at::equal(flags[0], at::tensor({true, false}, on(0, at::kBool))));
+  CHECK(at::equal(flags[0], bools));
 
   std::vector<at::Tensor> several{base.clone(), base.clone() + 1};
   CHECK(b->allreduce_coalesced(several)->wait());

@@ -33,4 +33,22 @@ triplet=$(gcc -print-multiarch 2>/dev/null || true)
 if [ -n "$triplet" ] && [ -d "$inc/$triplet/openssl" ]; then
   cp -r "$inc/$triplet/openssl/." subprojects/openssl/include/openssl/
 fi
-du -sh subprojects/asio subprojects/cereal subprojects/doctest subprojects/openssl | sed 's/^/prepare_offline: /'
+
+# CUDA: the runtime's headers of this machine's toolkit (CUDA_HOME, else /usr/local/cuda), crt/
+# with them. PyTorch's CUDA wheels ship cuda_runtime_api.h without the crt/ headers it includes
+# (they come with nvcc); the build completes them from subprojects/cuda/include (meson.build).
+# Keep the toolkit's major version the same as the other machine's PyTorch's.
+cuda=${CUDA_HOME:-/usr/local/cuda}/include
+rm -rf subprojects/cuda
+if [ -e "$cuda/cuda_runtime.h" ] && [ -d "$cuda/crt" ]; then
+  mkdir -p subprojects/cuda/include
+  cp -r "$cuda/crt" subprojects/cuda/include/
+  [ -d "$cuda/nv" ] && cp -r "$cuda/nv" subprojects/cuda/include/  # cuda_fp16.h (nccl.h) includes <nv/target>
+  find "$cuda/" -maxdepth 1 -type f \( -name '*.h' -o -name '*.hpp' \) \
+    ! -name 'cudnn*' ! -name 'cublas*' ! -name 'cufft*' ! -name 'curand*' ! -name 'cusparse*' \
+    ! -name 'cusolver*' ! -name 'cupti*' ! -name 'npp*' ! -name 'nvjpeg*' ! -name 'nccl*' \
+    -exec cp {} subprojects/cuda/include/ \;
+  echo "prepare_offline: CUDA runtime headers from $cuda ($(sed -nE 's/^#define CUDA_VERSION ([0-9]+).*/\1/p' "$cuda/cuda.h"))"
+fi
+du -sh subprojects/asio subprojects/cereal subprojects/doctest subprojects/openssl subprojects/cuda 2>/dev/null |
+  sed 's/^/prepare_offline: /'

@@ -446,7 +446,10 @@ inline at::Tensor read_sparse_body(InputArchive& ar) {
   }
   at::Tensor t;
   try {
-    // The checked constructor: it rejects indices outside `sizes`, which later kernels would trust.
+    // Indices outside `sizes` are refused here: later kernels would trust them. Checked
+    // explicitly, because libtorch 2.x's constructor checks them only when the process-wide
+    // sparse-invariants switch is on (1.13's always did).
+    at::_validate_sparse_coo_tensor_args(indices, values, sizes);
     t = at::sparse_coo_tensor(indices, values, sizes);
   } catch (const c10::Error& e) {
     decode_fail(std::string("invalid sparse tensor: ") + e.what_without_backtrace());
