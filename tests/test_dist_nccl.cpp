@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "distrpc/ddp.hpp"
 #include "distrpc/dist.hpp"
 #include "distrpc/dist/backend_config.hpp"
 #include "distrpc/dist/nccl_backend.hpp"
@@ -211,16 +212,24 @@ TEST_CASE("nccl backend: an operation waits for the caller's stream; its Work co
   CHECK(at::equal(out.view({2048, 2048}), expected));
 }
 
-DISTRPC_MP_TEST("nccl backend: the front end routes CUDA tensors of a cuda:nccl group to it", 1,
-                120) {
+// The default group as a group of one over the nccl backend alone; false (the case says it
+// skips) without a GPU.
+bool nccl_group_of_one() {
   if (gpus() < 1) {
     MESSAGE("skipped: needs 1 GPU(s), this machine has 0");
-    return;
+    return false;
   }
+  distrpc::dist::register_nccl_backend();
+  distrpc::dist::init_process_group("nccl",
+                                    std::make_shared<distrpc::store::HashStore>(milliseconds(5000)),
+                                    0, 1, milliseconds(20000));
+  return true;
+}
+
+DISTRPC_MP_TEST("nccl backend: the front end routes CUDA tensors of a cuda:nccl group to it", 1,
+                120) {
+  if (!nccl_group_of_one()) return;
   namespace dist = distrpc::dist;
-  dist::register_nccl_backend();
-  dist::init_process_group("nccl", std::make_shared<distrpc::store::HashStore>(milliseconds(5000)),
-                           0, 1, milliseconds(10000));
   CHECK(dist::get_backend() == "nccl");
   at::Tensor t = at::arange(8, on(0));
   dist::all_reduce(t);
@@ -230,6 +239,61 @@ DISTRPC_MP_TEST("nccl backend: the front end routes CUDA tensors of a cuda:nccl 
   CHECK(at::equal(list[0], t));
   dist::barrier();
   dist::destroy_process_group();
+}
+
+// DistributedDataParallel on cuda:0 over the nccl backend alone (a group of one: what one GPU
+// allows; the group has no CPU backend). It trains exactly as the module alone; the reducer's own
+// collectives run on the GPU too: the bucket plan broadcast before the second forward, and the
+// used map all-reduced when unused parameters are searched for.
+struct DdpNet : torch::nn::Module {
+  explicit DdpNet(bool with_spare) {
+    a = register_module("a", torch::nn::Linear(4, 8));
+    b = register_module("b", torch::nn::Linear(8, 2));
+    if (with_spare) spare = register_module("spare", torch::nn::Linear(2, 2));  // never used
+  }
+  at::Tensor forward(at::Tensor x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, spare{nullptr};
+};
+
+void train_alike(distrpc::nn::DDPOptions options, bool with_spare, bool expect_rebuilt,
+                 const std::vector<std::size_t>& expected_unused) {
+  torch::manual_seed(7);
+  auto model = std::make_shared<DdpNet>(with_spare);
+  torch::manual_seed(7);
+  auto alone = std::make_shared<DdpNet>(with_spare);
+  model->to(gpu(0));
+  alone->to(gpu(0));
+  distrpc::nn::DistributedDataParallel ddp(model, options);
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  torch::optim::SGD alone_opt(alone->parameters(), 0.1);
+  for (int it = 0; it < 3; ++it) {
+    const at::Tensor x = at::randn({16, 4}, on(0));
+    const at::Tensor y = at::randn({16, 2}, on(0));
+    opt.zero_grad();
+    torch::mse_loss(ddp(x), y).backward();
+    opt.step();
+    alone_opt.zero_grad();
+    torch::mse_loss(alone->forward(x), y).backward();
+    alone_opt.step();
+    for (std::size_t i = 0; i < model->parameters().size(); ++i) {
+      CHECK(model->parameters()[i].device() == gpu(0));
+      CHECK_MESSAGE(at::allclose(model->parameters()[i], alone->parameters()[i], 1e-5, 1e-6),
+                    "iteration " << it << ", parameter " << i);
+    }
+  }
+  const auto st = ddp.stats();
+  CHECK(st.iterations == 3);
+  CHECK(st.buckets_rebuilt == expect_rebuilt);
+  CHECK(st.unused_parameters == expected_unused);
+}
+
+DISTRPC_MP_TEST("nccl backend: DistributedDataParallel on cuda:0 trains as the module alone", 1,
+                120) {
+  if (!nccl_group_of_one()) return;
+  train_alike({}, false, true, {});  // buckets rebuilt before the second forward
+  // spare's weight and bias (parameters 4 and 5) are found unused in every pass.
+  train_alike({.find_unused_parameters = true}, true, false, {4, 5});
+  distrpc::dist::destroy_process_group();
 }
 
 // ---- two GPUs ------------------------------------------------------------------------------

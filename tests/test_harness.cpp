@@ -51,6 +51,27 @@ DISTRPC_MP_TARGET("harness target: rank throws") {
   if (ctx.rank == 0) throw std::runtime_error("boom from rank 0");
 }
 
+DISTRPC_MP_TARGET("harness target: the case's environment") {
+  const char* v = std::getenv("DISTRPC_HARNESS_PROBE");
+  CHECK(v != nullptr);
+  CHECK(std::string(v ? v : "") == "from the case");
+  CHECK(std::string(std::getenv("DISTRPC_HARNESS_KEPT") ? std::getenv("DISTRPC_HARNESS_KEPT")
+                                                        : "") == "inherited");
+}
+
+TEST_CASE("harness: RunOptions::env replaces an inherited variable of the same name") {
+  ::setenv("DISTRPC_HARNESS_PROBE", "inherited", 1);
+  ::setenv("DISTRPC_HARNESS_KEPT", "inherited", 1);
+  RunOptions o;
+  o.world = 2;
+  o.limit = std::chrono::seconds(30);
+  o.env = {"DISTRPC_HARNESS_PROBE=from the case"};
+  auto r = run_ranks("harness target: the case's environment", o);
+  ::unsetenv("DISTRPC_HARNESS_PROBE");
+  ::unsetenv("DISTRPC_HARNESS_KEPT");
+  CHECK_MESSAGE(r.ok, r.report());
+}
+
 TEST_CASE("harness: a failing rank fails the run and its output is shown") {
   RunOptions o;
   o.world = 2;

@@ -5,6 +5,7 @@
 // the agent's, not the transport's: these run on tcp only.
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -493,6 +494,22 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
     CHECK(s.imported >= 24);  // and every CUDA result came back through it
     CHECK(s.staged == 0);
     CHECK(s.failed == 0);
+    const auto c = agent->context().channel().stats();
+    MESSAGE("slabs " << c.slabs << " (" << c.slab_bytes << " bytes), mappings opened "
+                     << c.mappings_opened << ", reused " << c.mappings_reused);
+    CHECK(c.mappings_opened + c.mappings_reused == s.imported);
+    if (const char* pool = std::getenv("DISTRPC_CUDA_IPC_POOL_MB");
+        pool != nullptr && std::string(pool) == "0") {
+      // Every snapshot an allocation of libtorch's, mapped for one copy.
+      CHECK(c.slabs == 0);
+      CHECK(c.mappings_reused == 0);
+    } else {
+      // Snapshots in slabs, reused once their loans were back; the results' slabs stay mapped.
+      CHECK(c.slabs >= 1);
+      CHECK(c.slabs < s.exported);
+      CHECK(c.mappings_reused >= 1);
+      CHECK(c.mappings_opened < s.imported);
+    }
   }
   distrpc::barrier();
   CHECK(distrpc::testing::eventually([&] { return agent->context().stats().lent == 0; }));
@@ -501,7 +518,7 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
 #endif
 
 namespace {
-void run_on_gpus(const char* target, int gpus) {
+void run_on_gpus(const char* target, int gpus, std::vector<std::string> env = {}) {
   const int have = distrpc::compat::cuda_device_count();
   if (have < gpus) {
     MESSAGE("skipped: needs " << gpus << " GPU(s), this machine has " << have);
@@ -510,6 +527,7 @@ void run_on_gpus(const char* target, int gpus) {
   distrpc::testing::RunOptions o;
   o.world = 2;
   o.limit = std::chrono::seconds(120);
+  o.env = std::move(env);
   auto r = distrpc::testing::run_ranks(target, o);
   CHECK_MESSAGE(r.ok, r.report());
 }
@@ -534,6 +552,38 @@ TEST_CASE(
 TEST_CASE("devices: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (needs a GPU)") {
   if (!on_tcp()) return;
   run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1);
+}
+
+TEST_CASE(
+    "devices: CudaIpc<Tcp> without slabs (DISTRPC_CUDA_IPC_POOL_MB=0) maps each snapshot for one "
+    "copy (needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1,
+              {"DISTRPC_CUDA_IPC_POOL_MB=0"});
+}
+
+TEST_CASE("devices: DISTRPC_CUDA_IPC_POOL_MB is a number of MiB; a bad value is named") {
+  using distrpc::transport::CudaIpcChannel;
+  const char* saved = std::getenv("DISTRPC_CUDA_IPC_POOL_MB");
+  const std::string keep = saved ? saved : "";
+  for (const char* bad : {"lots", "-1", " 5", "5MB", "2000000"}) {
+    ::setenv("DISTRPC_CUDA_IPC_POOL_MB", bad, 1);
+    CHECK(error_text<std::invalid_argument>([] { CudaIpcChannel c(0); }) ==
+          std::string("DISTRPC_CUDA_IPC_POOL_MB='") + bad +
+              "' is not a number of MiB in 0..1048576");
+  }
+  for (const char* good : {"0", "1048576", ""}) {
+    ::setenv("DISTRPC_CUDA_IPC_POOL_MB", good, 1);
+    CudaIpcChannel c(0);
+    const auto st = c.stats();
+    CHECK(st.slabs == 0);
+    CHECK(st.mappings_opened == 0);
+  }
+  if (saved) {
+    ::setenv("DISTRPC_CUDA_IPC_POOL_MB", keep.c_str(), 1);
+  } else {
+    ::unsetenv("DISTRPC_CUDA_IPC_POOL_MB");
+  }
 }
 #endif
 

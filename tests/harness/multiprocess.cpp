@@ -104,10 +104,19 @@ pid_t spawn_rank(const std::string& case_name, bool is_target, int rank, const R
                                    "--no-intro=true", "--no-version=true"};
   if (is_target) args.push_back("--no-skip=true");
 
+  // The case's own variables (RunOptions::env) replace the inherited ones of the same name:
+  // getenv() returns the first entry, so a duplicate would be ignored.
+  auto overridden = [&opts](std::string_view kv) {
+    const std::string_view name = kv.substr(0, kv.find('='));
+    for (const auto& e : opts.env) {
+      if (std::string_view(e).substr(0, e.find('=')) == name) return true;
+    }
+    return false;
+  };
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     std::string_view kv(*e);
-    if (kv.starts_with("DISTRPC_MP_")) continue;
+    if (kv.starts_with("DISTRPC_MP_") || overridden(kv)) continue;
     env.emplace_back(kv);
   }
   env.push_back(env_entry(kEnvCase, case_name));

@@ -145,7 +145,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
         for (std::size_t i : a.buckets[b]) p[1 + n + k++] = static_cast<std::int64_t>(i);
       }
     }
-    dist::broadcast(plan, group_->global_ranks().front(), {.group = group_});
+    // On the parameters' device: a group of CUDA parameters may have no backend for the CPU
+    // (init_process_group("nccl")). The copies are synchronous, so `plan` is complete below.
+    at::Tensor sent = plan.to(comm_device());
+    dist::broadcast(sent, group_->global_ranks().front(), {.group = group_});
+    plan = sent.cpu();
     const auto* p = plan.data_ptr<std::int64_t>();
     std::vector<std::vector<std::size_t>> buckets(static_cast<std::size_t>(p[0]));
     std::size_t k = 0;
@@ -416,9 +420,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     finalize_scheduled_ = true;
     if (dynamic_find_unused() || static_first()) {
       // Which parameters some rank used: a parameter no rank used keeps its gradient untouched.
+      // On the parameters' device, for the same reason as the rebuild plan (read back below).
       used_map_ = at::from_blob(local_used_.data(), {static_cast<std::int64_t>(local_used_.size())},
                                 at::kInt)
-                      .clone();
+                      .clone()
+                      .to(comm_device());
       at::Tensor used = used_map_;
       lk.unlock();
       try {
@@ -443,6 +449,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       finalize_backward();
       lk.lock();
     }
+  }
+
+  // Where the reducer's own small collectives (the rebuild plan, the used map) run: the first
+  // parameter's device, which every rank's replica shares.
+  c10::Device comm_device() const {
+    return params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
   }
 
   std::vector<at::Tensor> param_list(const Bucket& b) const {
@@ -499,7 +511,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
     std::vector<char> globally_unused(params_.size(), 0);
     if (have_used) {
-      const auto u = used_map_.accessor<std::int32_t, 1>();
+      // Its all-reduce has completed (waited for above), so the copy reads the final counts.
+      const at::Tensor host = used_map_.cpu();
+      const auto u = host.accessor<std::int32_t, 1>();
       for (std::size_t i = 0; i < params_.size(); ++i) {
         globally_unused[i] = u[static_cast<std::int64_t>(i)] == 0;
       }

@@ -1,12 +1,19 @@
 // CudaIpc<T>: DeviceDirect<T, CudaIpcChannel> (device_direct.hpp). CUDA tensors between processes
-// on one host go GPU to GPU through CUDA IPC: the receiver maps the sender's allocation (an IPC
-// memory handle) and copies the bytes into memory of its own on its GPU, after an interprocess
-// event the sender recorded on its current stream, so the copy starts when the tensor is complete.
-// The mapping is closed once the copy is done, before the loan goes back: the sender's caching
-// allocator may free that allocation later (empty_cache, a retry after running out of memory),
-// and CUDA leaves freeing an allocation that another process still maps undefined. The message
-// itself travels over T. Peers on other hosts, and tensors the channel cannot export, go through a
-// CPU copy as on any other policy.
+// on one host go GPU to GPU through CUDA IPC: the sender copies the tensor into memory it lends
+// (a snapshot, so the caller may change the tensor once the call returns), the receiver maps that
+// memory (an IPC memory handle) and copies the bytes into memory of its own on its GPU, after an
+// interprocess event the sender recorded behind its copy. The message itself travels over T.
+// Peers on other hosts, and tensors the channel cannot export, go through a CPU copy as on any
+// other policy.
+//
+// Mapping an allocation of another process and unmapping it cost far more than copying tens of
+// MiB, so snapshots are made in slabs: device allocations the process makes for this alone, never
+// frees, and reuses once their loan is back. A receiver keeps a slab mapped for as long as it
+// knows the sender. (A mapping may stay open only while the sender keeps the allocation: CUDA
+// leaves freeing an allocation another process still maps undefined, and libtorch's caching
+// allocator may free its blocks at any time.) Slabs come in powers of two from 64 KiB, up to
+// DISTRPC_CUDA_IPC_POOL_MB per GPU and process (1024 by default, 0: none); past that, a snapshot
+// is an allocation of libtorch's, mapped for one copy and closed right after it.
 //
 // Needs the CUDA runtime (meson: distrpc_cuda_ipc_dep, found where the nccl backend's is) and a
 // CUDA libtorch at run time; the receiver's buffer comes from libtorch's caching allocator.
@@ -22,12 +29,14 @@
 #include <cctype>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -104,7 +113,115 @@ struct IpcDescriptor {
   std::uint64_t allocation_bytes = 0;
   std::uint64_t offset = 0;  // of the buffer in the allocation
   cudaIpcEventHandle_t event{};
+  std::uint64_t slab = 0;  // 1: a slab, which the receiver may keep mapped (see the top)
 };
+
+// The slab limit per GPU in bytes, from DISTRPC_CUDA_IPC_POOL_MB (MiB; unset or empty: 1024).
+// Throws std::invalid_argument naming the variable when its value is not a whole number of MiB
+// in 0..1048576.
+inline std::size_t slab_limit_from_env() {
+  const char* v = std::getenv("DISTRPC_CUDA_IPC_POOL_MB");
+  if (v == nullptr || *v == '\0') return std::size_t{1024} << 20;
+  char* end = nullptr;
+  const unsigned long long mb = std::strtoull(v, &end, 10);
+  // strtoull also takes leading blanks and a sign: a whole number is digits only.
+  if (*v < '0' || *v > '9' || *end != '\0' || mb > (1ULL << 20)) {
+    throw std::invalid_argument(std::string("DISTRPC_CUDA_IPC_POOL_MB='") + v +
+                                "' is not a number of MiB in 0..1048576");
+  }
+  return static_cast<std::size_t>(mb) << 20;
+}
+
+// The process's slabs (see the top of this file): device allocations, each with its IPC handle,
+// handed out for one loan at a time. Never freed: a receiver may keep a slab mapped until it
+// notices that this process is gone, and CUDA leaves freeing an allocation another process still
+// maps undefined. So the pool is one per process (process_slabs()), reused by every channel and
+// every re-initialization, and its memory goes back to the driver when the process exits.
+class SnapshotSlabs {
+ public:
+  struct Slab {
+    int device;
+    char* base;
+    std::size_t bytes;
+    cudaIpcMemHandle_t handle;
+    // Recorded after each copy into the slab: the next copy waits for it on its own stream,
+    // since a loan can come back without the receiver having waited for the last one (an import
+    // that failed before its copy, Transfers dropped unread at shutdown).
+    cudaEvent_t written;
+  };
+
+  SnapshotSlabs() = default;
+  SnapshotSlabs(const SnapshotSlabs&) = delete;
+  SnapshotSlabs& operator=(const SnapshotSlabs&) = delete;
+
+  // The limit for slabs made from now on, per GPU (the last channel made sets it).
+  void set_limit(std::size_t bytes) {
+    std::lock_guard<std::mutex> lk(mu_);
+    limit_ = bytes;
+  }
+
+  // A free slab of at least n bytes on `device` (current on this thread); null when the limit
+  // would be passed or the GPU has no memory left (the snapshot is then an ordinary allocation).
+  Slab* take(int device, std::size_t n) {
+    std::size_t bytes = std::size_t{64} << 10;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (n > limit_) return nullptr;
+      while (bytes < n) bytes <<= 1;
+      auto& spare = free_[{device, bytes}];
+      if (!spare.empty()) {
+        Slab* s = spare.back();
+        spare.pop_back();
+        return s;
+      }
+      if (bytes > limit_ || reserved_[device] > limit_ - bytes) return nullptr;
+      reserved_[device] += bytes;
+    }
+    auto slab = std::make_unique<Slab>(Slab{device, nullptr, bytes, {}, nullptr});
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e == cudaSuccess) {
+      slab->base = static_cast<char*>(p);
+      e = cudaIpcGetMemHandle(&slab->handle, p);
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&slab->written, cudaEventDisableTiming);
+      if (e != cudaSuccess) (void)cudaFree(p);  // never exported: safe to free
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      reserved_[device] -= bytes;
+      return nullptr;
+    }
+    all_.push_back(std::move(slab));
+    return all_.back().get();
+  }
+
+  void give(Slab* s) {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_[{s->device, s->bytes}].push_back(s);
+  }
+
+  // Slabs made so far and their bytes (all GPUs).
+  std::pair<std::size_t, std::size_t> made() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::size_t bytes = 0;
+    for (const auto& s : all_) bytes += s->bytes;
+    return {all_.size(), bytes};
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::size_t limit_ = 0;
+  std::vector<std::unique_ptr<Slab>> all_;
+  std::map<std::pair<int, std::size_t>, std::vector<Slab*>> free_;  // by (device, bytes)
+  std::map<int, std::size_t> reserved_;                             // bytes made, per device
+};
+
+// The one pool of this process; deliberately never destroyed (see SnapshotSlabs).
+inline SnapshotSlabs& process_slabs() {
+  static SnapshotSlabs* slabs = new SnapshotSlabs();
+  return *slabs;
+}
 
 // This boot of this host: processes that share it share its GPUs.
 inline std::string host_identity() {
@@ -120,7 +237,9 @@ class CudaIpcChannel {
  public:
   static constexpr std::string_view name = "cuda_ipc";
 
-  explicit CudaIpcChannel(int /*self_id*/) : address_(own_address()) {}
+  explicit CudaIpcChannel(int /*self_id*/) : address_(own_address()) {
+    detail::process_slabs().set_limit(detail::slab_limit_from_env());
+  }
   ~CudaIpcChannel() {
     for (auto& [peer, opened] : peers_) close_all(opened);
     for (auto& [device, events] : free_events_) {
@@ -152,8 +271,9 @@ class CudaIpcChannel {
 
   // Lends a snapshot: a copy made on the current stream, so that the caller may change the
   // tensor as soon as the call returns (the value semantics of every other policy). The copy is
-  // on the same GPU, queued behind the tensor's producer; the receiver waits for an interprocess
-  // event recorded after it, not for the whole device.
+  // on the same GPU, queued behind the tensor's producer, into a slab when one is free or can be
+  // made (see the top of this file); the receiver waits for an interprocess event recorded after
+  // it, not for the whole device.
   ChannelExport export_buffer(int peer, const at::Tensor& buffer) {
     const int device = buffer.device().index();
     detail::CudaDeviceScope on(device);
@@ -170,13 +290,32 @@ class CudaIpcChannel {
     }
     const cudaStream_t current =
         detail::native(c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(buffer.device()));
-    at::Tensor snapshot = buffer.clone();
-    const auto [base, size] = detail::allocation_of(snapshot.data_ptr());
-    detail::cuda_check(cudaIpcGetMemHandle(&d.memory, base), "cudaIpcGetMemHandle");
-    d.allocation_bytes = size;
-    d.offset = static_cast<std::uint64_t>(static_cast<const char*>(snapshot.data_ptr()) - base);
-    cudaEvent_t event = take_event(device);
-    auto lent = std::make_shared<Lent>(std::move(snapshot), event, device, this);
+    const auto nbytes = static_cast<std::size_t>(buffer.nbytes());
+    // Owns the event, and the slab once taken: an error below gives both back.
+    auto lent = std::make_shared<Lent>(take_event(device), device, this);
+    if (buffer.is_contiguous() && nbytes > 0)
+      lent->slab = detail::process_slabs().take(device, nbytes);
+    if (detail::SnapshotSlabs::Slab* slab = lent->slab) {
+      // Behind the slab's previous copy (see Slab::written). The source stays alive until the
+      // loan is back (DeviceDirect keeps it with the loan).
+      detail::cuda_check(cudaStreamWaitEvent(current, slab->written, 0), "cudaStreamWaitEvent");
+      detail::cuda_check(
+          cudaMemcpyAsync(slab->base, buffer.data_ptr(), nbytes, cudaMemcpyDeviceToDevice, current),
+          "cudaMemcpyAsync");
+      detail::cuda_check(cudaEventRecord(slab->written, current), "cudaEventRecord");
+      d.memory = slab->handle;
+      d.allocation_bytes = slab->bytes;
+      d.offset = 0;
+      d.slab = 1;
+    } else {
+      lent->snapshot = buffer.clone();
+      const auto [base, size] = detail::allocation_of(lent->snapshot.data_ptr());
+      detail::cuda_check(cudaIpcGetMemHandle(&d.memory, base), "cudaIpcGetMemHandle");
+      d.allocation_bytes = size;
+      d.offset =
+          static_cast<std::uint64_t>(static_cast<const char*>(lent->snapshot.data_ptr()) - base);
+    }
+    const cudaEvent_t event = lent->event;
     detail::cuda_check(cudaEventRecord(event, current), "cudaEventRecord");
     detail::cuda_check(cudaIpcGetEventHandle(&d.event, event), "cudaIpcGetEventHandle");
     return {std::string(reinterpret_cast<const char*>(&d), sizeof d), std::move(lent)};
@@ -194,16 +333,23 @@ class CudaIpcChannel {
     detail::cuda_check(cudaDeviceGetByPCIBusId(&device, d.bus_id), "cudaDeviceGetByPCIBusId");
     detail::CudaDeviceScope on(device);
     Opened& opened = opened_for(peer);
-    // Closed on every way out, on this device, once nothing queued can still read it.
-    Mapping mapping = map(d);
+    // A slab stays mapped while the sender is known (kept in `opened`); any other allocation is
+    // closed on every way out, on this device, once nothing queued can still read it.
+    Mapping* kept = d.slab != 0 ? &kept_mapping(opened, d, device) : nullptr;
+    Mapping once = kept != nullptr ? Mapping{} : map(d, device);
+    if (kept == nullptr) ++opened_;
+    const Mapping& mapping = kept != nullptr ? *kept : once;
     bool queued = false;  // a copy from it may still run: then it is never closed (below)
     struct Closer {
+      Mapping* kept;
       const Mapping& m;
       const bool& queued;
       ~Closer() {
-        if (!queued) (void)cudaIpcCloseMemHandle(m.base);
+        if (kept == nullptr && !queued) (void)cudaIpcCloseMemHandle(m.base);
+        // A kept mapping a queued copy may still read is never closed either.
+        if (kept != nullptr && queued) kept->abandoned = true;
       }
-    } closer{mapping, queued};
+    } closer{kept, mapping, queued};
     // Bounded by what the driver mapped, not by the sender's word.
     const std::uint64_t end = d.offset + static_cast<std::uint64_t>(nbytes);
     if (end < d.offset || end > mapping.bytes) {
@@ -256,28 +402,48 @@ class CudaIpcChannel {
   // Ends waits inside import_buffer (the Context is stopping).
   void stop() { stopping_ = true; }
 
+  // For tests and diagnostics: slabs this process made (as a sender, all channels together),
+  // and this channel's mappings of other processes' memory (as a receiver): opened, and imports
+  // served by one kept open.
+  struct Stats {
+    std::size_t slabs = 0;
+    std::size_t slab_bytes = 0;
+    std::uint64_t mappings_opened = 0;
+    std::uint64_t mappings_reused = 0;
+  };
+  Stats stats() const {
+    const auto [n, bytes] = detail::process_slabs().made();
+    return {n, bytes, opened_.load(), reused_.load()};
+  }
+
  private:
-  // A sender's allocation mapped here for one copy.
+  // A sender's allocation mapped here: for one copy, or kept (a slab).
   struct Mapping {
     char* base = nullptr;
     std::uint64_t bytes = 0;  // the driver's size of the mapped allocation
+    int device = 0;           // where it was opened (and is closed)
+    bool abandoned = false;   // a copy from it never finished: never closed
   };
-  // What this receiver opened of one sender and keeps: its events, keyed by the handle's bytes
-  // (they are pooled by the sender and come back).
+  // What this receiver opened of one sender and keeps: its events and its slabs' mappings, keyed
+  // by the handles' bytes (the sender pools both and they come back).
   struct Opened {
     std::map<std::string, cudaEvent_t> events;
+    std::map<std::string, Mapping> slabs;
   };
-  // A loan's part here: the snapshot lent, and its event, back to the pool once released.
+  // A loan's part here: its event, and the slab or the snapshot lent, back once released.
   struct Lent {
-    at::Tensor snapshot;
     cudaEvent_t event;
     int device;
     CudaIpcChannel* channel;
-    Lent(at::Tensor t, cudaEvent_t e, int d, CudaIpcChannel* c)
-        : snapshot(std::move(t)), event(e), device(d), channel(c) {}
+    detail::SnapshotSlabs::Slab* slab = nullptr;
+    at::Tensor snapshot;  // when not in a slab
+    Lent(cudaEvent_t e, int d, CudaIpcChannel* c) : event(e), device(d), channel(c) {}
     Lent(const Lent&) = delete;
     Lent& operator=(const Lent&) = delete;
-    ~Lent() { channel->give_event(device, event); }
+    ~Lent() {
+      channel->give_event(device, event);
+      if (slab != nullptr) detail::process_slabs().give(slab);
+    }
   };
   struct ParsedAddress {
     std::string host;
@@ -357,15 +523,24 @@ class CudaIpcChannel {
 
   static void close_all(Opened& o) {
     for (auto& [key, e] : o.events) (void)cudaEventDestroy(e);
+    int saved = 0;
+    const bool restore = cudaGetDevice(&saved) == cudaSuccess;
+    for (auto& [key, m] : o.slabs) {
+      if (!m.abandoned && cudaSetDevice(m.device) == cudaSuccess) {
+        (void)cudaIpcCloseMemHandle(m.base);
+      }
+    }
+    if (restore) (void)cudaSetDevice(saved);
+    (void)cudaGetLastError();
     o = Opened{};
   }
 
-  // Maps the allocation `d` names (the caller closes it).
-  static Mapping map(const detail::IpcDescriptor& d) {
+  // Maps the allocation `d` names, with `device` current (the caller closes it).
+  static Mapping map(const detail::IpcDescriptor& d, int device) {
     void* p = nullptr;
     detail::cuda_check(cudaIpcOpenMemHandle(&p, d.memory, cudaIpcMemLazyEnablePeerAccess),
                        "cudaIpcOpenMemHandle");
-    Mapping m{static_cast<char*>(p), 0};
+    Mapping m{static_cast<char*>(p), 0, device, false};
     try {
       m.bytes = detail::allocation_of(p).second;
     } catch (...) {
@@ -373,6 +548,18 @@ class CudaIpcChannel {
       throw;
     }
     return m;
+  }
+
+  // The sender's slab `d` names, mapped once and kept in `o` (closed by close_all).
+  Mapping& kept_mapping(Opened& o, const detail::IpcDescriptor& d, int device) {
+    const std::string key(reinterpret_cast<const char*>(&d.memory), sizeof d.memory);
+    if (const auto it = o.slabs.find(key); it != o.slabs.end()) {
+      ++reused_;
+      return it->second;
+    }
+    Mapping m = map(d, device);
+    ++opened_;
+    return o.slabs.emplace(key, m).first->second;
   }
 
   static cudaEvent_t event(Opened& o, const cudaIpcEventHandle_t& h) {
@@ -407,6 +594,8 @@ class CudaIpcChannel {
   }
 
   const std::string address_;
+  std::atomic<std::uint64_t> opened_{0};
+  std::atomic<std::uint64_t> reused_{0};
   std::atomic<bool> stopping_{false};
   std::mutex mu_;  // the structure of the three containers below
   std::map<int, std::vector<cudaEvent_t>> free_events_;
