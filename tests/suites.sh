@@ -138,7 +138,7 @@ finish_suites() {
 # such a program passes when it imports no std:: symbol at all (its own copy answers them all).
 # One pass or one failure.
 check_link_order() {
-  local dir="$1" t needed first bad="" checked=0 static=0 imports
+  local dir="$1" t needed first bad="" checked=0 static=0 imports symbols
   shift
   header "link order (libstdc++ before libtorch)"
   if ! command -v readelf >/dev/null || ! command -v nm >/dev/null; then
@@ -154,9 +154,16 @@ check_link_order() {
     if [[ "$first" == libstdc++* ]]; then
       continue
     elif ! echo "$needed" | grep -q '^libstdc++'; then
-      # libstdc++ linked in: std:: names (_ZSt..., _ZNSt..., _ZNKSt...) must all be defined here.
-      imports=$(nm -D --undefined-only "$t" 2>/dev/null | awk '{print $NF}' |
-        grep -cE '^_Z(N|NK)?St' || true)
+      # libstdc++ linked in: no std:: name may be left to another library. Mangled, those are
+      # St (std::), Sa Sb Ss Si So Sd (std::allocator, basic_string, string, istream, ostream,
+      # iostream), after N and any qualifiers (K, V, R, O, r), and behind the vtable, typeinfo,
+      # VTT, guard and thread-local prefixes.
+      if ! symbols=$(nm -D --undefined-only "$t" 2>&1); then
+        bad="$bad ${t#"$dir"/}(nm failed: ${symbols%%$'\n'*})"
+        continue
+      fi
+      imports=$(echo "$symbols" | awk '{print $NF}' |
+        grep -cE '^_Z(T[ISVT]|GV|TH|TW)?N?[rVKRO]*S[tabsiod]' || true)
       if [ "$imports" -eq 0 ]; then
         static=$((static + 1))
         continue

@@ -60,15 +60,21 @@ DISTRPC_MP_TARGET("harness target: the case's environment") {
 }
 
 TEST_CASE("harness: RunOptions::env replaces an inherited variable of the same name") {
-  ::setenv("DISTRPC_HARNESS_PROBE", "inherited", 1);
-  ::setenv("DISTRPC_HARNESS_KEPT", "inherited", 1);
+  struct Inherited {  // set for the run, unset on every way out
+    Inherited() {
+      ::setenv("DISTRPC_HARNESS_PROBE", "inherited", 1);
+      ::setenv("DISTRPC_HARNESS_KEPT", "inherited", 1);
+    }
+    ~Inherited() {
+      ::unsetenv("DISTRPC_HARNESS_PROBE");
+      ::unsetenv("DISTRPC_HARNESS_KEPT");
+    }
+  } inherited;
   RunOptions o;
   o.world = 2;
   o.limit = std::chrono::seconds(30);
   o.env = {"DISTRPC_HARNESS_PROBE=from the case"};
   auto r = run_ranks("harness target: the case's environment", o);
-  ::unsetenv("DISTRPC_HARNESS_PROBE");
-  ::unsetenv("DISTRPC_HARNESS_KEPT");
   CHECK_MESSAGE(r.ok, r.report());
 }
 

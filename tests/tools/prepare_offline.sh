@@ -4,8 +4,10 @@
 # a machine without them and without network (the GPU machine of tests/run_gpu.sh) can build:
 # Meson uses a subproject's folder when it exists instead of fetching it. It also copies OpenSSL's
 # headers (libssl-dev) to subprojects/openssl/include, which tests/run_gpu.sh uses only where the
-# other machine has OpenSSL's libraries but not its headers. The folders are ignored by git; carry
-# them to the other machine with the tree (about 9 MB).
+# other machine has OpenSSL's libraries but not its headers, and, where a CUDA toolkit is installed,
+# the CUDA runtime's headers to subprojects/cuda/include, which complete those of PyTorch's CUDA
+# wheels (meson.build). The folders are ignored by git; carry them to the other machine with the
+# tree (about 15 MB).
 set -euo pipefail
 inc=$(realpath "${1:-/usr/include}")
 cd "$(dirname "$0")/../.."
@@ -38,9 +40,13 @@ fi
 # with them. PyTorch's CUDA wheels ship cuda_runtime_api.h without the crt/ headers it includes
 # (they come with nvcc); the build completes them from subprojects/cuda/include (meson.build).
 # Keep the toolkit's major version the same as the other machine's PyTorch's.
-cuda=${CUDA_HOME:-/usr/local/cuda}/include
+cuda=$(realpath -m "${CUDA_HOME:-/usr/local/cuda}/include")
 rm -rf subprojects/cuda
-if [ -e "$cuda/cuda_runtime.h" ] && [ -d "$cuda/crt" ]; then
+# Not a toolkit that shares the system's include folder (Debian's nvidia-cuda-toolkit, under
+# /usr): its top-level headers there are every library's, and would shadow the system's.
+if [ "$cuda" = /usr/include ]; then
+  echo "prepare_offline: the CUDA headers in /usr/include are not copied (set CUDA_HOME to a toolkit of its own)"
+elif [ -e "$cuda/cuda_runtime.h" ] && [ -d "$cuda/crt" ]; then
   mkdir -p subprojects/cuda/include
   cp -r "$cuda/crt" subprojects/cuda/include/
   [ -d "$cuda/nv" ] && cp -r "$cuda/nv" subprojects/cuda/include/  # cuda_fp16.h (nccl.h) includes <nv/target>
@@ -50,5 +56,6 @@ if [ -e "$cuda/cuda_runtime.h" ] && [ -d "$cuda/crt" ]; then
     -exec cp {} subprojects/cuda/include/ \;
   echo "prepare_offline: CUDA runtime headers from $cuda ($(sed -nE 's/^#define CUDA_VERSION ([0-9]+).*/\1/p' "$cuda/cuda.h"))"
 fi
-du -sh subprojects/asio subprojects/cereal subprojects/doctest subprojects/openssl subprojects/cuda 2>/dev/null |
-  sed 's/^/prepare_offline: /'
+for d in subprojects/asio subprojects/cereal subprojects/doctest subprojects/openssl subprojects/cuda; do
+  if [ -d "$d" ]; then du -sh "$d" | sed 's/^/prepare_offline: /'; fi
+done

@@ -420,20 +420,24 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     finalize_scheduled_ = true;
     if (dynamic_find_unused() || static_first()) {
       // Which parameters some rank used: a parameter no rank used keeps its gradient untouched.
-      // On the parameters' device, for the same reason as the rebuild plan (read back below).
+      // Reduced on the parameters' device, for the same reason as the rebuild plan; the copy
+      // there (synchronous, behind this thread's stream) is made outside the lock, and a failure
+      // reaches the pass through used_future_ (finalize_backward reads it back).
       used_map_ = at::from_blob(local_used_.data(), {static_cast<std::int64_t>(local_used_.size())},
                                 at::kInt)
-                      .clone()
-                      .to(comm_device());
+                      .clone();
       at::Tensor used = used_map_;
+      const c10::Device device = comm_device();
       lk.unlock();
       try {
+        used = used.to(device);
         auto w = dist::all_reduce(used, {.group = group_, .async_op = true});
         used_future_ = w->get_future();
       } catch (...) {
         used_future_ = make_exceptional_future<std::vector<at::Tensor>>(std::current_exception());
       }
       lk.lock();
+      used_map_ = used;
     }
     if (in_graph_task()) {
       std::weak_ptr<Reducer> weak = weak_from_this();
@@ -487,11 +491,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     std::vector<Future<at::Tensor>> results;
     Future<std::vector<at::Tensor>> used;
     bool have_used = false;
+    at::Tensor used_map;
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (const auto& b : buckets_) results.push_back(b.result);
       have_used = used_map_.defined();
-      if (have_used) used = used_future_;
+      if (have_used) {
+        used = used_future_;
+        used_map = used_map_;
+      }
     }
     // Every bucket and the used map are waited for, so none is left in flight; the first error
     // (in bucket order) fails the backward pass.
@@ -500,9 +508,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       static_cast<const FutureBase&>(f).wait_for(std::chrono::hours(24 * 365 * 200));
       if (!error && f.has_error()) error = f.exception_ptr();
     }
+    at::Tensor used_counts;  // on the CPU
     if (have_used) {
       static_cast<const FutureBase&>(used).wait_for(std::chrono::hours(24 * 365 * 200));
       if (!error && used.has_error()) error = used.exception_ptr();
+      // Its all-reduce has completed, so the copy (from the GPU, where it ran there) reads the
+      // final counts; made outside the lock, and a failure fails the pass like the others.
+      if (!error) {
+        try {
+          used_counts = used_map.cpu();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
     }
     std::unique_lock<std::mutex> lk(mu_);
     if (error) {
@@ -511,9 +529,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
     std::vector<char> globally_unused(params_.size(), 0);
     if (have_used) {
-      // Its all-reduce has completed (waited for above), so the copy reads the final counts.
-      const at::Tensor host = used_map_.cpu();
-      const auto u = host.accessor<std::int32_t, 1>();
+      const auto u = used_counts.accessor<std::int32_t, 1>();
       for (std::size_t i = 0; i < params_.size(); ++i) {
         globally_unused[i] = u[static_cast<std::int64_t>(i)] == 0;
       }
