@@ -4,9 +4,7 @@
 // message is already awake when the next one of a conversation comes. Idle, it stops polling.
 #pragma once
 
-#include <cstdlib>
-#include <stdexcept>
-#include <string>
+#include "distrpc/net/env_number.hpp"
 
 namespace distrpc::net {
 
@@ -14,16 +12,8 @@ namespace distrpc::net {
 // empty. Throws std::invalid_argument naming the variable and its value when that is not a whole
 // number in 0..1000000 (0: never poll).
 inline int spin_us_from_env(const char* var, int fallback) {
-  const char* v = std::getenv(var);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  // strtol also takes leading blanks and a sign: a whole number is digits only.
-  if (*v < '0' || *v > '9' || *end != '\0' || n > 1000000) {
-    throw std::invalid_argument(std::string(var) + "='" + v +
-                                "' is not a number of microseconds in 0..1000000");
-  }
-  return static_cast<int>(n);
+  return static_cast<int>(whole_number_from_env(var, static_cast<unsigned long long>(fallback),
+                                                1000000, "microseconds"));
 }
 
 }  // namespace distrpc::net

@@ -29,14 +29,12 @@
 #include <cctype>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -48,6 +46,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "distrpc/error.hpp"
+#include "distrpc/net/env_number.hpp"
 #include "distrpc/torch_compat.hpp"
 #include "distrpc/transport/device_direct.hpp"
 
@@ -120,16 +119,9 @@ struct IpcDescriptor {
 // Throws std::invalid_argument naming the variable when its value is not a whole number of MiB
 // in 0..1048576.
 inline std::size_t slab_limit_from_env() {
-  const char* v = std::getenv("DISTRPC_CUDA_IPC_POOL_MB");
-  if (v == nullptr || *v == '\0') return std::size_t{1024} << 20;
-  char* end = nullptr;
-  const unsigned long long mb = std::strtoull(v, &end, 10);
-  // strtoull also takes leading blanks and a sign: a whole number is digits only.
-  if (*v < '0' || *v > '9' || *end != '\0' || mb > (1ULL << 20)) {
-    throw std::invalid_argument(std::string("DISTRPC_CUDA_IPC_POOL_MB='") + v +
-                                "' is not a number of MiB in 0..1048576");
-  }
-  return static_cast<std::size_t>(mb) << 20;
+  return static_cast<std::size_t>(
+             net::whole_number_from_env("DISTRPC_CUDA_IPC_POOL_MB", 1024, 1ULL << 20, "MiB"))
+         << 20;
 }
 
 // The process's slabs (see the top of this file): device allocations, each with its IPC handle,
@@ -337,7 +329,6 @@ class CudaIpcChannel {
     // closed on every way out, on this device, once nothing queued can still read it.
     Mapping* kept = d.slab != 0 ? &kept_mapping(opened, d, device) : nullptr;
     Mapping once = kept != nullptr ? Mapping{} : map(d, device);
-    if (kept == nullptr) ++opened_;
     const Mapping& mapping = kept != nullptr ? *kept : once;
     bool queued = false;  // a copy from it may still run: then it is never closed (below)
     struct Closer {
@@ -535,11 +526,12 @@ class CudaIpcChannel {
     o = Opened{};
   }
 
-  // Maps the allocation `d` names, with `device` current (the caller closes it).
-  static Mapping map(const detail::IpcDescriptor& d, int device) {
+  // Maps the allocation `d` names, with `device` current (the caller closes it), and counts it.
+  Mapping map(const detail::IpcDescriptor& d, int device) {
     void* p = nullptr;
     detail::cuda_check(cudaIpcOpenMemHandle(&p, d.memory, cudaIpcMemLazyEnablePeerAccess),
                        "cudaIpcOpenMemHandle");
+    ++opened_;
     Mapping m{static_cast<char*>(p), 0, device, false};
     try {
       m.bytes = detail::allocation_of(p).second;
@@ -557,9 +549,7 @@ class CudaIpcChannel {
       ++reused_;
       return it->second;
     }
-    Mapping m = map(d, device);
-    ++opened_;
-    return o.slabs.emplace(key, m).first->second;
+    return o.slabs.emplace(key, map(d, device)).first->second;
   }
 
   static cudaEvent_t event(Opened& o, const cudaIpcEventHandle_t& h) {
