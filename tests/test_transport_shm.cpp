@@ -397,6 +397,17 @@ TEST_CASE("shm: a DISTRPC_SHM_SPIN_US that is not a number of microseconds is na
   }
 }
 
+TEST_CASE("shm: a DISTRPC_RECV_CACHE_MB that is not a number of MiB fails the start, named") {
+  for (const char* bad : {"many", "-2", "2000000"}) {
+    CAPTURE(bad);
+    distrpc::testing::ScopedEnv cache("DISTRPC_RECV_CACHE_MB", bad);
+    const std::string text =
+        distrpc::testing::thrown_exactly<std::invalid_argument>([] { ShmNode n(0); });
+    CHECK(text ==
+          std::string("DISTRPC_RECV_CACHE_MB='") + bad + "' is not a number of MiB in 0..1048576");
+  }
+}
+
 // Rank 1 streams large messages (payloads four times the ring, and segment tensors) to rank 0 and
 // is SIGKILLed (or crashes, with DISTRPC_SHM_TEST_CRASH) in the middle of it.
 DISTRPC_MP_TARGET("shm target: rank 1 dies mid-transfer") {

@@ -581,3 +581,26 @@ TEST_CASE("tcp: DISTRPC_TCP_SPIN_US sets the polling after activity; a bad value
                       "' is not a number of microseconds in 0..1000000");
   }
 }
+
+// The received-buffer cache's limit is read when the transport starts: a bad one fails there,
+// naming it, instead of a reading thread at the first large message.
+TEST_CASE("tcp: a DISTRPC_RECV_CACHE_MB that is not a number of MiB fails the start, named") {
+  using distrpc::testing::ScopedEnv;
+  for (const char* bad : {"lots", "-1", "1048577", "64MB", " 8", "18446744073709551616"}) {
+    CAPTURE(bad);
+    ScopedEnv cache("DISTRPC_RECV_CACHE_MB", bad);
+    const std::string text =
+        distrpc::testing::thrown_exactly<std::invalid_argument>([] { TcpNode n(0); });
+    CHECK(text ==
+          std::string("DISTRPC_RECV_CACHE_MB='") + bad + "' is not a number of MiB in 0..1048576");
+  }
+  for (const char* good : {"0", "1048576", ""}) {
+    CAPTURE(good);
+    ScopedEnv cache("DISTRPC_RECV_CACHE_MB", good);
+    TcpNode a(0), b(1);
+    introduce(a, 0, b, 1);
+    check_still_works(a, b, 11);
+  }
+  ScopedEnv unset(ScopedEnv::unset, {"DISTRPC_RECV_CACHE_MB"});
+  CHECK(distrpc::wire::RecvStorage::limit_from_env() == std::size_t{128} << 20);
+}

@@ -10,7 +10,8 @@
 // high rate also leave glibc's arenas fragmented (the resident size of a long-running worker
 // creeps up); a mapping is returned whole to the kernel when it leaves the cache.
 //
-// The cache holds at most `DISTRPC_RECV_CACHE_MB` MiB (default 128; 0 disables it); a freed
+// The cache holds at most `DISTRPC_RECV_CACHE_MB` MiB (default 128; 0 disables it; a value that is
+// not a whole number of MiB fails the transports' start); a freed
 // block that would exceed it evicts the oldest ones. Freeing happens on whichever thread drops
 // the last reference to the tensor, so the cache is guarded by a mutex held only for the scan.
 
@@ -25,13 +26,14 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <iterator>
 #include <mutex>
 #include <new>
 #include <utility>
+
+#include "distrpc/net/env_number.hpp"
 
 namespace distrpc::wire {
 
@@ -47,6 +49,17 @@ class RecvStorage final : public c10::Allocator {
     static RecvStorage* const storage = new RecvStorage(limit_from_env());
     return *storage;
   }
+
+  // The cache limit `DISTRPC_RECV_CACHE_MB` asks for, in bytes (default 128 MiB). Throws
+  // std::invalid_argument naming the variable and its value when that is not a whole number of
+  // MiB in range. The transports call it when they start, so a bad value fails there rather
+  // than on a reading thread at the first large message.
+  static std::size_t limit_from_env() {
+    return static_cast<std::size_t>(
+               net::whole_number_from_env("DISTRPC_RECV_CACHE_MB", 128, kMaxCacheMiB, "MiB"))
+           << 20;
+  }
+  static constexpr unsigned long long kMaxCacheMiB = 1ull << 20;  // 1 TiB
 
   explicit RecvStorage(std::size_t cache_limit_bytes) : limit_(cache_limit_bytes) {}
   RecvStorage(const RecvStorage&) = delete;
@@ -107,15 +120,6 @@ class RecvStorage final : public c10::Allocator {
     void* data;
     std::size_t capacity;  // mapped bytes (a multiple of the page size)
   };
-
-  static std::size_t limit_from_env() {
-    const char* v = std::getenv("DISTRPC_RECV_CACHE_MB");
-    if (v == nullptr || *v == '\0') return std::size_t{128} << 20;
-    char* end = nullptr;
-    const unsigned long long mb = std::strtoull(v, &end, 10);
-    if (end == v || *end != '\0') return std::size_t{128} << 20;
-    return static_cast<std::size_t>(mb) << 20;
-  }
 
   static std::size_t page_size() {
     static const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));

@@ -407,6 +407,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
         lio_work_(asio::make_work_guard(lio_)),
         acceptor_(lio_),
         accept_retry_(lio_) {
+    // A bad DISTRPC_RECV_CACHE_MB fails the start, not a reading thread's first large message.
+    (void)wire::RecvStorage::limit_from_env();
     token_ = transport::detail::transport_secret(options_);
     if (const auto tls = net::tls::resolve(options_.tls)) tls_ = net::tls::make_context(*tls);
     listen();

@@ -46,6 +46,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
  public:
   Impl(const TransportOptions& options, TransportCallbacks callbacks)
       : options_(options), callbacks_(std::move(callbacks)), spin_us_(spin_us_from_env()) {
+    // A bad DISTRPC_RECV_CACHE_MB fails the start, not a reading thread's first large message.
+    (void)wire::RecvStorage::limit_from_env();
     token_ = transport::detail::transport_secret(options_);
     if (!memfd_usable()) {
       throw DistNetworkError("distrpc shm: " + self_text() +
