@@ -85,6 +85,7 @@ TEST_CASE("DeviceDirect: large buffers go through the channel and every loan com
   CHECK(eventually([&] { return stats(a).lent == 0 && stats(a).released == 1; }));
   CHECK(HostChannel::lent_now() == 0);
   CHECK(HostChannel::knobs().imports_of_unlent == 0);
+  CHECK(HostChannel::knobs().retired == 0);  // released: the channel may reuse it
 
   // A message without such buffers passes untouched: nothing lent.
   a.ctx->send(1, make_message(MessageType::Response, 8, "small", {pattern_bytes(10, 4)}));
@@ -202,14 +203,19 @@ TEST_CASE("DeviceDirect: a Transfer on the wire, and a lost peer's loans kept un
   CHECK(stats(a).released == 0);
   CHECK(HostChannel::knobs().forgotten == 1);
   CHECK(HostChannel::lent_now() == 1);
+  CHECK(HostChannel::knobs().retired == 0);
+  // Either way the loan ends without a Release: the channel is told, so that it never reuses
+  // what it lent (the receiver may still be reading it).
   SUBCASE("until the worker is registered again") {
     NodeOf<Tcp> again(1);
     a.ctx->add_peer(1, "w1", again.ctx->address());
     CHECK(HostChannel::lent_now() == 0);
+    CHECK(HostChannel::knobs().retired == 1);
   }
   SUBCASE("or until the grace has passed (HostChannel::orphan_grace, 300 ms)") {
     CHECK(eventually([] { return HostChannel::lent_now() == 0; }, 5s));
     CHECK(stats(a).released == 0);
+    CHECK(HostChannel::knobs().retired == 1);
   }
 }
 
@@ -231,6 +237,7 @@ TEST_CASE("DeviceDirect: a loan that never comes back takes half of shutdown's t
   CHECK(took >= 900ms);                 // it waited for the loan a while
   CHECK(took < 1900ms);                 // and left the rest to the transport underneath
   CHECK(HostChannel::lent_now() == 0);  // returned at shutdown
+  CHECK(HostChannel::knobs().retired == 1);  // unreleased: the channel must not reuse it
 }
 
 TEST_CASE(
@@ -256,6 +263,9 @@ TEST_CASE(
   CHECK(HostChannel::knobs().imports_of_unlent == 0);
   b.reset();
   CHECK(eventually([] { return HostChannel::lent_now() == 0; }, 5s));
+  // Each loan ended once: released, or retired when it came back without a Release.
+  CHECK(
+      eventually([&] { return stats(a).released + HostChannel::knobs().retired.load() == 3; }, 5s));
 }
 
 TEST_CASE("DeviceDirect: a Release to a sender not registered yet goes once it is") {

@@ -498,17 +498,34 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
     MESSAGE("slabs " << c.slabs << " (" << c.slab_bytes << " bytes), mappings opened "
                      << c.mappings_opened << ", reused " << c.mappings_reused);
     CHECK(c.mappings_opened + c.mappings_reused == s.imported);
-    if (const char* pool = std::getenv("DISTRPC_CUDA_IPC_POOL_MB");
-        pool != nullptr && std::string(pool) == "0") {
+    // Ten calls one after the other with a tensor of 1.5 MiB (a 2 MiB slab, or a free one up to
+    // four times that): the caller's snapshots take slabs whose loans are back (at most two
+    // new ones: a loan's Release and the reply race), and the callee's results come from slabs
+    // this worker keeps mapped.
+    const at::Tensor mid = at::arange(3 << 17, at::TensorOptions().dtype(at::kFloat).device(gpu));
+    for (int k = 0; k < 10; ++k) {
+      CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", mid), mid));
+    }
+    const auto after = agent->context().channel().stats();
+    MESSAGE("after 10 echoes of 1.5 MiB: slabs " << after.slabs << ", mappings opened "
+                                                 << after.mappings_opened << ", reused "
+                                                 << after.mappings_reused);
+    CHECK(after.slabs_retired == 0);  // every loan came back with its Release
+    const std::size_t limit = distrpc::transport::detail::slab_limit_from_env();
+    if (limit == 0) {
       // Every snapshot an allocation of libtorch's, mapped for one copy.
-      CHECK(c.slabs == 0);
-      CHECK(c.mappings_reused == 0);
+      CHECK(after.slabs == 0);
+      CHECK(after.mappings_reused == 0);
     } else {
-      // Snapshots in slabs, reused once their loans were back; the results' slabs stay mapped.
-      CHECK(c.slabs >= 1);
-      CHECK(c.slabs < s.exported);
-      CHECK(c.mappings_reused >= 1);
-      CHECK(c.mappings_opened < s.imported);
+      CHECK(after.slabs >= 1);
+      CHECK(after.slab_bytes <= limit);
+      CHECK(after.slabs - c.slabs <= 2);
+      CHECK(after.mappings_reused - c.mappings_reused >= 8);
+      if (limit >= (std::size_t{1} << 30)) {
+        // Room for every size above: the concurrent calls' slabs were reused by later calls.
+        CHECK(c.mappings_reused >= 1);
+        CHECK(c.mappings_opened < s.imported);
+      }
     }
   }
   distrpc::barrier();
@@ -551,7 +568,16 @@ TEST_CASE(
 #ifdef DISTRPC_HAVE_CUDART
 TEST_CASE("devices: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (needs a GPU)") {
   if (!on_tcp()) return;
-  run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1);
+  run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1,
+              {"DISTRPC_CUDA_IPC_POOL_MB=1024"});
+}
+
+TEST_CASE(
+    "devices: CudaIpc<Tcp> with slabs up to 8 MiB (DISTRPC_CUDA_IPC_POOL_MB=8): larger snapshots "
+    "go the ordinary way (needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)", 1,
+              {"DISTRPC_CUDA_IPC_POOL_MB=8"});
 }
 
 TEST_CASE(

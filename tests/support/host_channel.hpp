@@ -35,6 +35,7 @@ struct HostChannel {
     std::atomic<int> failing_exports{0};    // the next n exports throw
     std::atomic<int> failing_imports{0};    // the next n imports throw
     std::atomic<int> forgotten{0};          // forget() calls
+    std::atomic<int> retired{0};            // retire() calls: loans ended without a Release
     std::atomic<int> imports_of_unlent{0};  // imports that found the buffer no longer lent
     std::atomic<bool> hold_imports{false};  // true: imports wait until false or stop()
     std::mutex mu;
@@ -50,6 +51,7 @@ struct HostChannel {
     k.failing_exports = 0;
     k.failing_imports = 0;
     k.forgotten = 0;
+    k.retired = 0;
     k.imports_of_unlent = 0;
     k.hold_imports = false;
   }
@@ -118,6 +120,9 @@ struct HostChannel {
   }
 
   void forget(int /*peer*/) { ++knobs().forgotten; }
+  void retire(const std::shared_ptr<void>& keep) {
+    if (keep) ++knobs().retired;
+  }
   // The policy gives up waits inside import_buffer (a held import returns).
   void stop() { stopped_ = true; }
 

@@ -8,7 +8,10 @@
 //
 // Mapping an allocation of another process and unmapping it cost far more than copying tens of
 // MiB, so snapshots are made in slabs: device allocations the process makes for this alone, never
-// frees, and reuses once their loan is back. A receiver keeps a slab mapped for as long as it
+// frees, and reuses once their loan is back (a loan that ends without the receiver's Release, its
+// peer lost or the Context stopped, retires its slab instead: that receiver may still read it). A
+// snapshot takes a free slab of its size (a power of two) up to four times that, else a new one,
+// else, at the limit, any larger free one. A receiver keeps a slab mapped for as long as it
 // knows the sender. (A mapping may stay open only while the sender keeps the allocation: CUDA
 // leaves freeing an allocation another process still maps undefined, and libtorch's caching
 // allocator may free its blocks at any time.) Slabs come in powers of two from 64 KiB, up to
@@ -31,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -152,21 +156,21 @@ class SnapshotSlabs {
     limit_ = bytes;
   }
 
-  // A free slab of at least n bytes on `device` (current on this thread); null when the limit
-  // would be passed or the GPU has no memory left (the snapshot is then an ordinary allocation).
+  // A free slab of at least n bytes on `device` (current on this thread): a free one of n's
+  // size (rounded up to a power of two) up to four times it, else a new one within the limit,
+  // else any larger free one (so that one big slab does not shut every other size out for good);
+  // null when none of these exists or the GPU has no memory left (the snapshot is then an
+  // ordinary allocation).
   Slab* take(int device, std::size_t n) {
     std::size_t bytes = std::size_t{64} << 10;
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (n > limit_) return nullptr;
       while (bytes < n) bytes <<= 1;
-      auto& spare = free_[{device, bytes}];
-      if (!spare.empty()) {
-        Slab* s = spare.back();
-        spare.pop_back();
-        return s;
+      if (Slab* s = take_free_locked(device, bytes, 4 * bytes)) return s;
+      if (bytes > limit_ || reserved_[device] > limit_ - bytes) {
+        return take_free_locked(device, bytes, std::numeric_limits<std::size_t>::max());
       }
-      if (bytes > limit_ || reserved_[device] > limit_ - bytes) return nullptr;
       reserved_[device] += bytes;
     }
     auto slab = std::make_unique<Slab>(Slab{device, nullptr, bytes, {}, nullptr});
@@ -192,18 +196,43 @@ class SnapshotSlabs {
     std::lock_guard<std::mutex> lk(mu_);
     free_[{s->device, s->bytes}].push_back(s);
   }
-
-  // Slabs made so far and their bytes (all GPUs).
-  std::pair<std::size_t, std::size_t> made() const {
+  // A slab that must never be handed out again: a receiver may still read it (its loan ended
+  // without a Release), or a copy into it is not covered by `written`. It stays allocated and
+  // counts against the limit.
+  void retire(Slab* /*s*/) {
     std::lock_guard<std::mutex> lk(mu_);
+    ++retired_;
+  }
+
+  struct Made {
+    std::size_t slabs = 0;  // all GPUs
     std::size_t bytes = 0;
-    for (const auto& s : all_) bytes += s->bytes;
-    return {all_.size(), bytes};
+    std::size_t retired = 0;  // of those, never to be handed out again
+  };
+  Made made() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    Made m{all_.size(), 0, retired_};
+    for (const auto& s : all_) m.bytes += s->bytes;
+    return m;
   }
 
  private:
+  // Under mu_: the smallest free slab on `device` of `bytes` up to `most` bytes, taken.
+  Slab* take_free_locked(int device, std::size_t bytes, std::size_t most) {
+    for (auto it = free_.lower_bound({device, bytes});
+         it != free_.end() && it->first.first == device && it->first.second <= most; ++it) {
+      if (!it->second.empty()) {
+        Slab* s = it->second.back();
+        it->second.pop_back();
+        return s;
+      }
+    }
+    return nullptr;
+  }
+
   mutable std::mutex mu_;
   std::size_t limit_ = 0;
+  std::size_t retired_ = 0;
   std::vector<std::unique_ptr<Slab>> all_;
   std::map<std::pair<int, std::size_t>, std::vector<Slab*>> free_;  // by (device, bytes)
   std::map<int, std::size_t> reserved_;                             // bytes made, per device
@@ -250,11 +279,14 @@ class CudaIpcChannel {
   bool connect(int peer, const std::string& peer_address) {
     const auto mine = parse(address_);
     const auto theirs = parse(peer_address);
-    if (address_.empty() || mine.host != theirs.host || mine.pid == theirs.pid) return false;
     std::set<std::string> common;
-    for (const auto& g : theirs.gpus) {
-      if (mine.gpus.count(g) != 0) common.insert(g);
+    if (!address_.empty() && mine.host == theirs.host && mine.pid != theirs.pid) {
+      for (const auto& g : theirs.gpus) {
+        if (mine.gpus.count(g) != 0) common.insert(g);
+      }
     }
+    // Replaces what an earlier incarnation of that worker left (forget() keeps it: the loss of
+    // the old one may be handled after the new one connected).
     std::lock_guard<std::mutex> lk(mu_);
     peer_gpus_[peer] = common;
     return !common.empty();
@@ -294,7 +326,12 @@ class CudaIpcChannel {
       detail::cuda_check(
           cudaMemcpyAsync(slab->base, buffer.data_ptr(), nbytes, cudaMemcpyDeviceToDevice, current),
           "cudaMemcpyAsync");
-      detail::cuda_check(cudaEventRecord(slab->written, current), "cudaEventRecord");
+      if (const cudaError_t e = cudaEventRecord(slab->written, current); e != cudaSuccess) {
+        // The copy is queued but `written` does not cover it: a later copy into this slab
+        // could be overtaken by it, so the slab is never handed out again.
+        lent->slab_retired = true;
+        detail::cuda_check(e, "cudaEventRecord");
+      }
       d.memory = slab->handle;
       d.allocation_bytes = slab->bytes;
       d.offset = 0;
@@ -385,7 +422,6 @@ class CudaIpcChannel {
     {
       std::lock_guard<std::mutex> lk(mu_);
       gone = peers_.extract(peer);
-      peer_gpus_.erase(peer);
     }
     if (!gone.empty()) close_all(gone.mapped());
   }
@@ -393,18 +429,25 @@ class CudaIpcChannel {
   // Ends waits inside import_buffer (the Context is stopping).
   void stop() { stopping_ = true; }
 
+  // A loan ended without its receiver's Release (DeviceDirect's contract): its slab and event
+  // are never reused. Every `keep` this channel hands out is a Lent.
+  void retire(const std::shared_ptr<void>& keep) {
+    if (keep) static_cast<Lent*>(keep.get())->retired = true;
+  }
+
   // For tests and diagnostics: slabs this process made (as a sender, all channels together),
   // and this channel's mappings of other processes' memory (as a receiver): opened, and imports
   // served by one kept open.
   struct Stats {
     std::size_t slabs = 0;
     std::size_t slab_bytes = 0;
+    std::size_t slabs_retired = 0;  // never handed out again (see Lent)
     std::uint64_t mappings_opened = 0;
     std::uint64_t mappings_reused = 0;
   };
   Stats stats() const {
-    const auto [n, bytes] = detail::process_slabs().made();
-    return {n, bytes, opened_.load(), reused_.load()};
+    const auto m = detail::process_slabs().made();
+    return {m.slabs, m.bytes, m.retired, opened_.load(), reused_.load()};
   }
 
  private:
@@ -422,18 +465,29 @@ class CudaIpcChannel {
     std::map<std::string, Mapping> slabs;
   };
   // A loan's part here: its event, and the slab or the snapshot lent, back once released.
+  // Retired (the loan ended without a Release: retire()), the event and the slab are never
+  // reused: the receiver may still wait on the one and read the other. (The event is left
+  // undestroyed: that receiver may hold it open.) A snapshot outside the slabs goes back to
+  // libtorch's allocator either way, after the grace DeviceDirect gives a lost peer.
   struct Lent {
     cudaEvent_t event;
     int device;
     CudaIpcChannel* channel;
     detail::SnapshotSlabs::Slab* slab = nullptr;
-    at::Tensor snapshot;  // when not in a slab
+    at::Tensor snapshot;        // when not in a slab
+    bool retired = false;       // set by retire(), on the thread that ends the loan
+    bool slab_retired = false;  // the slab alone (see export_buffer)
     Lent(cudaEvent_t e, int d, CudaIpcChannel* c) : event(e), device(d), channel(c) {}
     Lent(const Lent&) = delete;
     Lent& operator=(const Lent&) = delete;
     ~Lent() {
-      channel->give_event(device, event);
-      if (slab != nullptr) detail::process_slabs().give(slab);
+      if (!retired) channel->give_event(device, event);
+      if (slab == nullptr) return;
+      if (retired || slab_retired) {
+        detail::process_slabs().retire(slab);
+      } else {
+        detail::process_slabs().give(slab);
+      }
     }
   };
   struct ParsedAddress {

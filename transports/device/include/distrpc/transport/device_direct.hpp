@@ -28,11 +28,12 @@
 // loans are not returned at once: a receiver that read the
 // Transfer before the connection broke may still be copying, and memory returned to the
 // allocator could be reused under it. They are returned when that worker is registered again,
-// after kOrphanGrace (10 s), or at shutdown. Shutdown first waits (for half the time it is
-// given) for the loans still out to come back. What the channel opened for a lost peer is
-// closed after its queued messages were handed over, on the receiving thread. A Release that
-// cannot be sent yet (the sender is not registered here: messages may arrive before add_peer)
-// is sent once it is.
+// after kOrphanGrace (10 s), or at shutdown, and the channel is told (retire), so that memory it
+// pools is never reused: a receiver alive but slow may still read it. Shutdown first waits (for
+// half the time it is given) for the loans still out to come back. What the channel opened for a
+// lost peer is closed after its queued messages were handed over, on the receiving thread. A
+// Release that cannot be sent yet (the sender is not registered here: messages may arrive before
+// add_peer) is sent once it is.
 //
 // One receiving thread serves every peer, and its queue is not bounded: a Transfer whose
 // producer's stream never reaches its event holds up the GPU messages of every peer (the channel
@@ -55,6 +56,13 @@
 //                                             holding the bytes, ready to read
 //   void forget(int peer);                    on the receiving thread: the peer is gone
 //   void stop();                              optional: give up waits inside import_buffer
+//   void retire(const std::shared_ptr<void>& keep);
+//                                             optional, must not block: the loan `keep` came
+//                                             with ends without its receiver's Release (the
+//                                             peer was lost, registered again, or this Context
+//                                             stopped), so the receiver may still read what it
+//                                             lent: a channel that reuses that memory (a pool)
+//                                             must not reuse it
 #pragma once
 
 #include <atomic>
@@ -278,6 +286,7 @@ struct DeviceDirect {
           unsent_releases_.erase(it);
         }
       }
+      for (auto& [loan, l] : returned) retire(l);
       for (const auto loan : releases) send_release(id, loan);
     }
 
@@ -385,6 +394,12 @@ struct DeviceDirect {
         loans.swap(loans_);
         orphaned.swap(orphaned_);
         stats_.lent = 0;
+      }
+      for (auto& [peer, by_id] : loans) {
+        for (auto& [id, l] : by_id) retire(l);
+      }
+      for (auto& [peer, by_id] : orphaned) {
+        for (auto& [id, o] : by_id) retire(o.loan);
       }
       return abandoned;
     }
@@ -497,6 +512,15 @@ struct DeviceDirect {
       cv_.notify_all();
     }
 
+    // A loan that ends without its receiver's Release: the channel must not reuse what it lent
+    // (see `retire` at the top). A loan whose send failed never reached its receiver, and a
+    // released one is done with: neither comes here.
+    void retire(Loan& loan) {
+      if constexpr (requires { channel_.retire(loan.keep.front()); }) {
+        for (const auto& k : loan.keep) channel_.retire(k);
+      }
+    }
+
     void return_loan(int peer, std::uint64_t id, bool released) {
       Loan gone;
       std::lock_guard<std::mutex> lk(mu_);
@@ -553,6 +577,7 @@ struct DeviceDirect {
           queue_.pop_front();
         }
         lk.unlock();
+        for (Loan& l : returned) retire(l);
         returned.clear();  // their buffers freed outside the lock
         if (item) {
           if (item->lost) {
