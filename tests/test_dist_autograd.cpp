@@ -6,7 +6,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -464,6 +467,114 @@ DISTRPC_MP_TEST(
     CHECK(info.size() == 2);
     CHECK(info.at("num_current_backward_passes") == "0");
     CHECK(info.at("num_autograd_contexts") == "0");
+  }
+  distrpc::shutdown();
+}
+
+namespace ag_test {
+// Slow enough that the caller's release of its context arrives while this runs.
+at::Tensor slow_double(at::Tensor t) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  return t * 2;
+}
+std::string num_contexts() {
+  return da::get_debug_info().at("num_autograd_contexts");
+}
+}  // namespace ag_test
+
+// The caller leaves its context while its call still runs: the release reaches the callee first,
+// and the reply, encoded after it, must not make the context there again (nothing would release
+// it a second time).
+DISTRPC_MP_TEST("dist autograd: a context released while a call in it still runs stays released", 2,
+                60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    std::int64_t id = -1;
+    distrpc::Future<at::Tensor> pending;
+    {
+      da::Context c;
+      id = c.id();
+      pending = distrpc::rpc_async<&ag_test::slow_double>("worker1",
+                                                          torch::ones({2}, torch::requires_grad()));
+    }
+    CHECK(at::equal(pending.value(), torch::full({2}, 2.0f)));
+    CHECK_FALSE(da::has_context(id));
+    // The release took effect on worker1 before the reply was encoded, and it was not undone.
+    const auto t0 = Clock::now();
+    while (distrpc::rpc_sync<&ag_test::num_contexts>("worker1") != "0" && ms_since(t0) < 5000) {
+      std::this_thread::sleep_for(20ms);
+    }
+    CHECK_FALSE(distrpc::rpc_sync<&ag_test::has_context>("worker1", id));
+    CHECK(distrpc::rpc_sync<&ag_test::num_contexts>("worker1") == "0");
+    // A new context works as before.
+    da::Context again;
+    at::Tensor x = torch::ones({2}, torch::requires_grad());
+    da::backward(again.id(), {distrpc::rpc_sync<&ag_test::slow_double>("worker1", x).sum()});
+    CHECK(at::equal(da::get_gradients(again.id()).at(x), torch::full({2}, 2.0f)));
+  }
+  distrpc::shutdown();
+}
+
+// A worker that made contexts and is lost: the others release its contexts (it never will).
+DISTRPC_MP_TEST("dist autograd: the contexts a lost worker made are released on the others", 2,
+                60) {
+  RpcBackendOptions o;
+  o.rpc_timeout = std::chrono::seconds(5);
+  init(ctx, o);
+  if (ctx.rank == 1) {
+    da::Context c;
+    (void)distrpc::rpc_sync<&ag_test::add>("worker0", torch::ones({2}, torch::requires_grad()),
+                                           torch::ones({2}));
+    ctx.publish("context", std::to_string(c.id()));
+    ctx.lookup("seen", std::chrono::seconds(20));
+    _exit(0);
+  }
+  const std::int64_t id = std::stoll(ctx.lookup("context", std::chrono::seconds(20)));
+  CHECK((id >> 48) == 1);
+  CHECK(da::has_context(id));
+  ctx.publish("seen", "1");
+  const auto t0 = Clock::now();
+  while (da::has_context(id) && ms_since(t0) < 10000) std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(da::has_context(id));
+  CHECK(da::get_debug_info().at("num_autograd_contexts") == "0");
+  distrpc::shutdown(false);
+}
+
+namespace ag_test {
+at::Tensor same(at::Tensor t) {
+  return t;
+}
+int nap(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+}  // namespace ag_test
+
+// The root's waiting thread runs the pass of gradients that came back (x's, from the first
+// call); x's hook waits on an RPC meanwhile, and the second call's gradients for x arrive during
+// that wait. They must not run on that thread too, which holds the context's pass lock: they
+// run once the first pass is done.
+DISTRPC_MP_TEST("dist autograd: a hook that waits on an RPC while more gradients arrive", 2, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    std::atomic<int> hooked{0};
+    at::Tensor x = torch::ones({3}, torch::requires_grad());
+    x.register_hook([&hooked](at::Tensor g) {
+      if (hooked.fetch_add(1) == 0) CHECK(distrpc::rpc_sync<&ag_test::nap>("worker1", 200) == 200);
+      return g;
+    });
+    da::Context c;
+    const at::Tensor y1 = distrpc::rpc_sync<&ag_test::same>("worker1", x);
+    const at::Tensor y2 = distrpc::rpc_sync<&ag_test::same>("worker1", x);
+    auto done = std::async(std::launch::async, [&] { da::backward(c.id(), {(y1 + y2).sum()}); });
+    if (done.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      // Stuck for good (the future would wait for it when destroyed): fail the process.
+      std::fprintf(stderr, "backward did not return within 20 s\n");
+      std::_Exit(3);
+    }
+    done.get();
+    CHECK(hooked.load() == 2);
+    CHECK(at::equal(da::get_gradients(c.id()).at(x), torch::full({3}, 2.0f)));
   }
   distrpc::shutdown();
 }
@@ -1049,6 +1160,24 @@ DISTRPC_MP_TEST(
     CHECK(same(grad_of(c.id(), t), at::full({2}, 2.0)));
   }
   distrpc::shutdown();
+}
+
+// Ids are (worker_id << 48) | counter in a signed 64-bit integer: from worker id 32768 on they
+// would be negative, which reads as "no context" (and hung a backward), so such ids are refused.
+TEST_CASE("dist autograd: worker ids have 15 bits, so every context id is positive") {
+  using distrpc::dist_autograd::ContextContainer;
+  ContextContainer last(32767);
+  const auto first = last.make();
+  CHECK(first->context_id() == std::int64_t{32767} << 48);
+  CHECK(first->context_id() > 0);
+  CHECK((first->context_id() >> 48) == 32767);
+  CHECK(last.max_id() == std::numeric_limits<std::int64_t>::max());
+  for (int bad : {32768, 65535, -1}) {
+    CAPTURE(bad);
+    CHECK(error_of([bad] { ContextContainer c(bad); }) ==
+          "distributed autograd: worker id " + std::to_string(bad) +
+              " is outside 0..32767 (context ids are (worker_id << 48) | counter, and positive)");
+  }
 }
 
 TEST_CASE(

@@ -5,18 +5,22 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "distrpc/autograd/context.hpp"
 
 namespace distrpc::dist_autograd {
 
-inline constexpr int kWorkerIdBits = 16;
+// Ids are signed 64-bit (-1: none, and PyTorch's type): a worker id of 16 bits would make ids
+// negative from worker 32768 on, so worker ids have 15 bits.
+inline constexpr int kWorkerIdBits = 15;
 inline constexpr int kCounterBits = 48;
 inline constexpr std::int64_t kCounterMask = (std::int64_t{1} << kCounterBits) - 1;
 
@@ -47,7 +51,8 @@ class ContextContainer {
   explicit ContextContainer(int worker_id) : worker_id_(worker_id) {
     if (worker_id < 0 || worker_id >= (1 << kWorkerIdBits)) {
       throw std::invalid_argument("distributed autograd: worker id " + std::to_string(worker_id) +
-                                  " does not fit in " + std::to_string(kWorkerIdBits) + " bits");
+                                  " is outside 0.." + std::to_string((1 << kWorkerIdBits) - 1) +
+                                  " (context ids are (worker_id << 48) | counter, and positive)");
     }
   }
 
@@ -71,12 +76,16 @@ class ContextContainer {
     contexts_.emplace(id, ctx);
     return ctx;
   }
-  // Context `id`, made if missing (a message carrying it arrived).
+  // Context `id`, made if missing (a message carrying it arrived); null when it was released
+  // here (a message still in flight when the release came must not make it again: nothing would
+  // release it a second time).
   ContextPtr get_or_create(std::int64_t id) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto& slot = contexts_[id];
-    if (!slot) slot = std::make_shared<DistAutogradContext>(id);
-    return slot;
+    if (const auto it = contexts_.find(id); it != contexts_.end()) return it->second;
+    if (released_locked(id)) return nullptr;
+    auto ctx = std::make_shared<DistAutogradContext>(id);
+    contexts_.emplace(id, ctx);
+    return ctx;
   }
   ContextPtr find(std::int64_t id) const {
     std::lock_guard<std::mutex> lk(mu_);
@@ -88,14 +97,39 @@ class ContextContainer {
     if (!ctx) throw std::runtime_error(detail::not_found_text(id));
     return ctx;
   }
-  // Removes context `id`; null if it was not here.
+  // Removes context `id` (remembered as released, see get_or_create); null if it was not here.
   ContextPtr erase(std::int64_t id) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = contexts_.find(id);
     if (it == contexts_.end()) return nullptr;
     auto ctx = std::move(it->second);
     contexts_.erase(it);
+    remember_locked(id);
     return ctx;
+  }
+  // Removes every context worker `creator` made, and forgets which of its contexts were
+  // released: it was lost, so nothing will release them, and a next incarnation of that worker
+  // counts its ids from 0 again.
+  std::vector<ContextPtr> erase_made_by(int creator) {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<ContextPtr> gone;
+    for (auto it = contexts_.begin(); it != contexts_.end();) {
+      if (creator_of(it->first) == creator) {
+        gone.push_back(std::move(it->second));
+        it = contexts_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = released_.begin(); it != released_.end();) {
+      if (creator_of(*it) == creator) {
+        released_set_.erase(*it);
+        it = released_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return gone;
   }
   std::size_t size() const {
     std::lock_guard<std::mutex> lk(mu_);
@@ -109,10 +143,32 @@ class ContextContainer {
   }
 
  private:
+  // How many released ids of other workers are remembered: far more than the contexts a
+  // training loop releases while a message of one of them can still be in flight.
+  static constexpr std::size_t kRemembered = 65536;
+
+  static int creator_of(std::int64_t id) { return static_cast<int>(id >> kCounterBits); }
+  // Under mu_. This worker's own ids below its counter are released when absent; another
+  // worker's when remembered.
+  bool released_locked(std::int64_t id) const {
+    if (creator_of(id) == worker_id_) return (id & kCounterMask) < next_counter_;
+    return released_set_.count(id) != 0;
+  }
+  void remember_locked(std::int64_t id) {
+    if (creator_of(id) == worker_id_ || !released_set_.insert(id).second) return;
+    released_.push_back(id);
+    if (released_.size() > kRemembered) {
+      released_set_.erase(released_.front());
+      released_.pop_front();
+    }
+  }
+
   const int worker_id_;
   mutable std::mutex mu_;
   std::int64_t next_counter_ = 0;
   std::map<std::int64_t, ContextPtr> contexts_;
+  std::deque<std::int64_t> released_;  // other workers' released ids, oldest first
+  std::unordered_set<std::int64_t> released_set_;
 };
 
 }  // namespace distrpc::dist_autograd

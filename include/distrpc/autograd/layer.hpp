@@ -152,8 +152,10 @@ class AutogradLayer final : public AgentExtension,
   }
 
   ContextContainer& contexts() {
-    std::call_once(container_once_,
-                   [&] { container_ = std::make_unique<ContextContainer>(self_id()); });
+    std::call_once(container_once_, [&] {
+      container_ = std::make_unique<ContextContainer>(self_id());
+      made_.store(container_.get(), std::memory_order_release);
+    });
     return *container_;
   }
 
@@ -283,9 +285,11 @@ class AutogradLayer final : public AgentExtension,
   std::shared_ptr<void> enter_request(int peer, const CallAttachments& got) override {
     auto tag = detail::CallTag::find(got, kExtensionId);
     if (!tag) return nullptr;
-    auto scope = std::make_shared<RequestScope>(shared_from_this(), peer, *tag,
-                                                contexts().get_or_create(tag->context_id));
-    return scope;
+    auto ctx = contexts().get_or_create(tag->context_id);
+    // Released here already (the caller left its context while this request was on its way):
+    // the request runs outside any context, and nothing is recorded for it.
+    if (!ctx) return nullptr;
+    return std::make_shared<RequestScope>(shared_from_this(), peer, *tag, std::move(ctx));
   }
 
   void arguments_decoded(int /*peer*/) override {
@@ -299,8 +303,13 @@ class AutogradLayer final : public AgentExtension,
       return;
     }
     // A reply to a call made in a context is encoded in it: made here if the call was not a
-    // request run inside it (an RRef fetch).
+    // request run inside it (an RRef fetch); not when the context was released meanwhile (the
+    // caller left it while the call ran), which would make it again for good.
     auto ctx = contexts().get_or_create(tag->context_id);
+    if (!ctx) {
+      encode();
+      return;
+    }
     detail::Collector c;
     {
       wire::TensorObserverScope observe(&c);
@@ -347,6 +356,14 @@ class AutogradLayer final : public AgentExtension,
   // at once: what that worker sent before it was lost (a report, gradients for this root) may
   // still wait for a thread here, and is handled first: the loss counts kLossGrace later.
   void on_peer_lost(int peer) override {
+    // The contexts the lost worker made are released here and on the workers this one passed
+    // them to: their maker will not release them, and would count its ids from 0 again if it
+    // came back.
+    if (made_.load(std::memory_order_acquire) != nullptr) {
+      for (const auto& ctx : contexts().erase_made_by(peer)) {
+        send_cleanup(ctx->context_id(), ctx->known_worker_ids(), peer);
+      }
+    }
     if (trackers().empty()) return;  // a backward started from now on cannot reach it
     std::string name = std::to_string(peer);
     try {
@@ -367,7 +384,10 @@ class AutogradLayer final : public AgentExtension,
   }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
-    if (container_) out["dist_autograd.num_autograd_contexts"] = std::to_string(container_->size());
+    // Not made yet, or being made on another thread: none to count.
+    if (const auto* c = made_.load(std::memory_order_acquire)) {
+      out["dist_autograd.num_autograd_contexts"] = std::to_string(c->size());
+    }
   }
 
  private:
@@ -697,6 +717,10 @@ class AutogradLayer final : public AgentExtension,
     const bool waiter_of_this =
         origin.root == self_id() && tls_waiting_backward == origin.backward_id;
     if (!transport::on_transport_thread() && (!transport::in_wait_driver() || waiter_of_this)) {
+      // The pass may run user code (hooks) that waits on an RPC: more gradients of this backward
+      // read during that wait must not run inline too, on this thread, which holds the
+      // context's pass lock. They go to the pool and wait for this pass.
+      WaitingScope not_waiting(-1);
       task();
       return out;
     }
@@ -816,6 +840,7 @@ class AutogradLayer final : public AgentExtension,
   const std::shared_ptr<distrpc::detail::HostGate> gate_;
   std::once_flag container_once_;
   std::unique_ptr<ContextContainer> container_;
+  std::atomic<const ContextContainer*> made_{nullptr};  // container_, once made (debug info)
   std::atomic<std::int64_t> next_message_{0};
   std::atomic<int> passes_{0};
   std::atomic<bool> stopping_{false};
