@@ -106,15 +106,23 @@ class DistAutogradContext {
   // graph must not run in two passes at once).
   std::mutex& pass_mutex() { return pass_mu_; }
 
-  // The user's roots of a backward running from this worker (while it runs): a pass that reaches
-  // the nodes they reach keeps the graph (see engine.hpp).
-  void set_running_roots(torch::autograd::edge_list roots) {
+  // The user's roots of the backwards running from this worker in this context (while they
+  // run; several threads may call backward() at once): a pass that reaches the nodes they reach
+  // keeps the graph (see engine.hpp).
+  void add_running_roots(std::int64_t backward_id, torch::autograd::edge_list roots) {
     std::lock_guard<std::mutex> lk(mu_);
-    running_roots_ = std::move(roots);
+    running_roots_[backward_id] = std::move(roots);
+  }
+  void remove_running_roots(std::int64_t backward_id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    running_roots_.erase(backward_id);
   }
   torch::autograd::edge_list running_roots() const {
     std::lock_guard<std::mutex> lk(mu_);
-    return running_roots_;
+    torch::autograd::edge_list all;
+    for (const auto& [id, roots] : running_roots_)
+      all.insert(all.end(), roots.begin(), roots.end());
+    return all;
   }
 
  private:
@@ -129,7 +137,7 @@ class DistAutogradContext {
   std::map<std::int64_t, std::shared_ptr<SendRpcBackward>> sends_;
   std::map<std::int64_t, std::shared_ptr<RecvRpcBackward>> recvs_;
   std::unordered_map<const c10::TensorImpl*, Entry> grads_;
-  torch::autograd::edge_list running_roots_;
+  std::map<std::int64_t, torch::autograd::edge_list> running_roots_;  // by backward id
   std::mutex pass_mu_;
 };
 

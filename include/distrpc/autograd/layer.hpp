@@ -185,10 +185,17 @@ class AutogradLayer final : public AgentExtension,
       grads.push_back(at::ones_like(r, at::MemoryFormat::Preserve));
     }
     auto ctx = contexts().retrieve(context_id);
-    ctx->set_running_roots(edges);
     PassCount count(*this);
     // This backward's id: every pass it starts anywhere reports to it (termination.hpp).
     const Origin origin{self_id(), next_message_id()};
+    // Its roots, while it runs (engine.hpp's shares_nodes), beside those of other backwards
+    // running in the same context.
+    struct Running {
+      DistAutogradContext& ctx;
+      const std::int64_t id;
+      ~Running() { ctx.remove_running_roots(id); }
+    } running{*ctx, origin.backward_id};
+    ctx->add_running_roots(origin.backward_id, edges);
     auto tracker = std::make_shared<detail::BackwardTracker>(origin.root);
     TrackerEntry entry(*this, origin.backward_id, tracker);
     // The first pass counts as a message of its own, done when it ran: nothing finishes while it
@@ -216,11 +223,9 @@ class AutogradLayer final : public AgentExtension,
       done.wait();
       done.value();
     } catch (...) {
-      ctx->set_running_roots({});
       throw std::runtime_error(dist_autograd::detail::node_error_text(
           self_id(), dist_autograd::detail::message_of(std::current_exception())));
     }
-    ctx->set_running_roots({});
   }
 
   // Releases context `id` here, and on every worker it sent autograd metadata to (which release
