@@ -640,7 +640,20 @@ class AutogradLayer final : public AgentExtension,
     } catch (...) {
       return;  // the root is lost or this agent stops: nobody waits for the report
     }
-    (void)reply;
+    // Sent again while the transport refused it; if it never went, the root waits until it
+    // notices this worker's loss (a link that fails one way only): say so here.
+    std::weak_ptr<AutogradLayer> weak = weak_from_this();
+    reply.add_done_callback([weak, root = origin.root](const Future<wire::Message>& r) {
+      if (!r.has_error()) return;
+      auto self = weak.lock();
+      if (!self || self->stopping_.load()) return;
+      distrpc::detail::log_error(
+          self->gate_->self().name,
+          "the report of a backward pass to worker " + std::to_string(root) +
+              " was not confirmed (" + dist_autograd::detail::message_of(r.exception_ptr()) +
+              "); if it never arrived, that backward waits until its root notices this worker "
+              "is lost");
+    });
   }
 
   // Here on the root: worker `from` reports on backward `backward_id`.
