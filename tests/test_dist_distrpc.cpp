@@ -219,6 +219,27 @@ void run_suite(const RankContext& ctx, DistrpcBackendOptions opts) {
     REQUIRE(b->alltoall_base(out, in, out_split, in_split)->wait());
     CHECK(at::equal(out, expect));
 
+    // In place (one tensor in and out), with splits that differ: rank i sends 1 + (j - i mod w)
+    // rows to rank j, so what it receives from j (1 + (i - j mod w) rows) lies elsewhere in the
+    // tensor than what it sends there.
+    {
+      std::vector<std::int64_t> sends_rows;
+      std::vector<std::int64_t> recvs_rows;
+      std::vector<at::Tensor> sent;
+      std::vector<at::Tensor> wanted;
+      for (int j = 0; j < w; ++j) {
+        sends_rows.push_back(1 + (j - r + w) % w);
+        recvs_rows.push_back(1 + (r - j + w) % w);
+        sent.push_back(at::full({sends_rows.back(), 3}, double(100 * r + j)));
+        wanted.push_back(at::full({recvs_rows.back(), 3}, double(100 * j + r)));
+      }
+      at::Tensor buf = at::cat(sent);
+      const at::Tensor want = at::cat(wanted);
+      REQUIRE(buf.sizes() == want.sizes());
+      REQUIRE(b->alltoall_base(buf, buf, recvs_rows, sends_rows)->wait());
+      CHECK(at::equal(buf, want));
+    }
+
     std::vector<at::Tensor> ins;
     std::vector<at::Tensor> outs;
     for (int j = 0; j < w; ++j) {
@@ -637,6 +658,71 @@ DISTRPC_MP_TEST("distrpc backend: shutdown fails a pending recv and returns prom
   CHECK(error_of(w) ==
         "DistrpcBackend: recv from rank 1 (tag 99) failed: the backend was shut down");
   ctx.publish("done", "1");
+}
+
+// A receive nobody answers ends at the backend's timeout, and one whose sender dies ends soon
+// after the loss; each also when it was posted while the point-to-point thread slept with nothing
+// else pending (which once let it sleep through both).
+DISTRPC_MP_TEST("distrpc backend: a recv nobody answers times out; one whose sender died fails", 2,
+                60) {
+  {
+    auto b = make_backend<Tcp>(ctx, 500ms, {}, "store-timeout");
+    if (ctx.rank == 1) {
+      (void)ctx.lookup("timed-out", 30s);
+    } else {
+      std::vector<at::Tensor> t{at::zeros({2})};
+      std::this_thread::sleep_for(100ms);  // the thread is asleep with nothing pending
+      const auto t0 = Clock::now();
+      auto w = b->recv(t, 1, 5);
+      CHECK(error_of(w) ==
+            "DistrpcBackend: Timeout: recv from rank 1 (tag 5) on rank 0 got no message within "
+            "500 ms");
+      CHECK(ms_since(t0) >= 450);
+      CHECK(ms_since(t0) < 3000);
+      ctx.publish("timed-out", "1");
+    }
+  }
+  auto b = make_backend<Tcp>(ctx, 60s, {}, "store-loss");
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("posted", 30s);
+    std::this_thread::sleep_for(200ms);
+    _exit(0);
+  }
+  std::vector<at::Tensor> t{at::zeros({2})};
+  const auto t0 = Clock::now();
+  auto w = b->recv(t, 1, 6);
+  ctx.publish("posted", "1");
+  const std::string e = error_of(w);
+  CHECK(e.rfind("DistrpcBackend: recv from rank 1 (tag 6) failed: connection to rank 1 lost", 0) ==
+        0);
+  CHECK(ms_since(t0) < 10000);
+}
+
+// A Work callback that shuts the backend down runs on the collectives' thread, which then leaves
+// its loop: what is queued behind fails at once, by shutdown() itself.
+DISTRPC_MP_TEST("distrpc backend: shutdown from a Work callback fails the work queued behind it", 2,
+                60) {
+  auto b = make_backend<Tcp>(ctx, 20s);
+  std::vector<at::Tensor> t{at::ones({4})};
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("queued", 30s);
+    CHECK(b->allreduce(t, AllreduceOptions{})->wait());
+    (void)ctx.lookup("checked", 30s);
+    return;
+  }
+  auto first = b->allreduce(t, AllreduceOptions{});
+  Backend* raw = b.get();
+  first->get_future().add_done_callback([raw](const auto&) { raw->shutdown(); });
+  std::vector<at::Tensor> u{at::ones({4})};
+  auto behind = b->allreduce(u, AllreduceOptions{});
+  ctx.publish("queued", "1");
+  CHECK(first->wait());
+  const auto t0 = Clock::now();
+  const std::string e = error_of(behind);
+  CHECK(e.rfind("DistrpcBackend: allreduce", 0) == 0);
+  CHECK(e.find("was not run: the backend was shut down") != std::string::npos);
+  CHECK(ms_since(t0) < 5000);
+  ctx.publish("checked", "1");
 }
 
 // A Work callback runs on one of the backend's threads (the collectives' executor, the

@@ -353,3 +353,63 @@ TEST_CASE("elastic: a worker killed with SIGKILL is replaced by a new process un
     }
   }
 }
+
+// ---- a worker frozen, then replaced ------------------------------------------------------------
+
+// Worker1 is stopped (SIGSTOP: its connections stay up, it answers nothing) while worker0 has a
+// call out to it; a replacement joins under its name and rank. Worker0 finds the frozen one
+// silent, takes it for dead, and fails the call still out to it at once, naming it and the
+// replacement, instead of leaving it to its 60 s timeout. Process 2 is the replacement.
+DISTRPC_MP_TARGET("elastic target: freeze and replace") {
+  if (ctx.rank == 1) {
+    join(ctx, wname(1), 1);
+    ctx.publish("pid1", std::to_string(::getpid()));
+    (void)ctx.lookup("never", 90s);  // stopped, then killed by worker0
+    return;
+  }
+  if (ctx.rank == 2) {
+    (void)ctx.lookup("frozen", 60s);
+    g_incarnation = 2;
+    join(ctx, wname(1), 1);
+    ctx.publish("replaced", "1");
+    (void)ctx.lookup("done0", 60s);
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  join(ctx, wname(0), 0);
+  const pid_t frozen = static_cast<pid_t>(std::stol(ctx.lookup("pid1", 60s)));
+  CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 1);
+  REQUIRE(::kill(frozen, SIGSTOP) == 0);
+  distrpc::Future<int> out = distrpc::rpc_async<&plus>(wname(1), distrpc::CallOptions{60s}, 1, 2);
+  std::this_thread::sleep_for(200ms);
+  CHECK_FALSE(out.done());
+  ctx.publish("frozen", "1");
+  (void)ctx.lookup("replaced", 60s);
+  // Failed when the replacement was admitted, not at the call's timeout.
+  CHECK(out.done());
+  const std::string text = error_of([&] { (void)out.value(); });
+  CHECK_MESSAGE(contains(text,
+                         "to WorkerInfo(id=1, name=worker1) failed: it no longer answers; "
+                         "replaced by WorkerInfo(id=1, name=worker1)"),
+                text);
+  CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 2);
+  ::kill(frozen, SIGKILL);
+  ctx.publish("done0", "1");
+  CHECK_NOTHROW(distrpc::shutdown());
+}
+
+TEST_CASE("elastic: a frozen worker's pending calls fail when a replacement takes its place") {
+  distrpc::testing::RunOptions o;
+  o.world = 3;
+  o.limit = 90s;
+  o.may_die = {1};
+  const auto r = distrpc::testing::run_ranks("elastic target: freeze and replace", o);
+  CHECK_MESSAGE(r.ok, r.report());
+  for (const auto& rank : r.ranks) {
+    if (rank.rank == 1) {
+      CHECK_MESSAGE(rank.signal == SIGKILL, r.report());
+    } else {
+      CHECK_MESSAGE(rank.exit_code == 0, r.report());
+    }
+  }
+}

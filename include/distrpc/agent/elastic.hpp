@@ -185,7 +185,15 @@ class ElasticProtocol {
     for (const auto& c : m.conflicts(w)) {
       if (m.is_lost(c.id)) continue;
       if (answers(c)) return {kRefused, not_unique(w, c)};
-      m.mark_lost(c.id, "it no longer answers; replaced by " + w.str());
+      // Its calls still pending fail now, as a lost worker's do (its connection may never
+      // break: the transport now knows its rank at the replacement's address).
+      const std::string reason = "it no longer answers; replaced by " + w.str();
+      const auto pending = agent_->calls_.calls_to(c.id);
+      m.mark_lost(c.id, reason);
+      for (auto& [id, what] : pending) {
+        agent_->fail_call(id, std::make_exception_ptr(DistNetworkError(
+                                  "RPC " + what + " to " + c.str() + " failed: " + reason)));
+      }
       // Its connection never broke here, so nothing released what it held: the RRef forks of
       // the old incarnation go now, as a lost worker's do, before the new one can hold any (this
       // runs on a request thread: values may be destroyed here).

@@ -586,11 +586,20 @@ class DistrpcBackend final : public Backend {
       if (shut_down_) return;
       shut_down_ = true;
     }
+    // What is queued fails here, not in the threads' loops: a thread this is called from (a Work
+    // callback) leaves its loop without touching the backend again.
+    std::deque<Task> tasks;
+    std::deque<P2PRecv> recvs;
+    std::deque<P2PSend> sends;
     {
       std::lock_guard<std::mutex> a(mu_);
       std::lock_guard<std::mutex> b(p2p_mu_);
       stopping_ = true;
       stopping_flag_.store(true, std::memory_order_release);
+      tasks.swap(tasks_);
+      queued_.fetch_sub(static_cast<std::int64_t>(tasks.size()), std::memory_order_acq_rel);
+      recvs.swap(p2p_recvs_);
+      sends.swap(p2p_sends_);
     }
     std::thread watchdog;
     {
@@ -615,6 +624,20 @@ class DistrpcBackend final : public Backend {
         left_->store(std::this_thread::get_id(), std::memory_order_release);
       }
       join_or_detach(*t);
+    }
+    // Last, touching no member: a callback may drop the last reference to this backend.
+    const auto shut = [](const std::string& text) {
+      return std::make_exception_ptr(DistBackendError("DistrpcBackend: " + text));
+    };
+    for (Task& t : tasks) {
+      t.work->finish_error(shut(t.op.what() + " was not run: the backend was shut down"));
+    }
+    for (P2PRecv& r : recvs) {
+      r.work->finish_error(shut(recv_what(r) + " failed: the backend was shut down"));
+    }
+    for (P2PSend& x : sends) {
+      x.work->finish_error(
+          shut("send to rank " + std::to_string(x.dst) + " failed: the backend was shut down"));
     }
   }
 
@@ -1251,11 +1274,16 @@ class DistrpcBackend final : public Backend {
                              std::to_string(self_src.numel()) + " elements but expects " +
                              std::to_string(self_dst.numel()));
     }
-    self_dst.copy_(self_src.reshape(self_dst.sizes()));
+    // Own part after the sends (they copy out before send returns) and before the receives: in
+    // place (one tensor in and out) with splits that differ, this member's part lands on rows
+    // still to be sent, and the parts received land on rows of its own.
     for (int k = 1; k < n; ++k) {
       const int q = (rank() + k) % n;
       send_region(o, q, 0, detail::byte_view(at_(sends, q).contiguous()));
     }
+    at::Tensor own = self_src.reshape(self_dst.sizes());
+    if (own.is_alias_of(self_dst)) own = own.clone();  // the two may overlap in part
+    self_dst.copy_(own);
     for (int k = 1; k < n; ++k)
       recv_into(o, (rank() - k + n) % n, 0, at_(recvs, (rank() - k + n) % n));
   }
@@ -1424,10 +1452,16 @@ class DistrpcBackend final : public Backend {
         const auto ready = [&] {
           return stopping_ || !p2p_sends_.empty() || has_match_or_failure();
         };
-        if (p2p_recvs_.empty()) {
-          p2p_cv_.wait(lk, ready);
-        } else {
-          p2p_cv_.wait_until(lk, next_deadline(), ready);
+        // One wait, then a scan: a receive posted meanwhile, a loss reported, or a deadline that
+        // passed is seen on the next round, with the deadlines as they are then (a wait that kept
+        // its predicate would sleep through all three).
+        if (!ready()) {
+          const Clock::time_point until = next_deadline();
+          if (until == Clock::time_point::max()) {
+            p2p_cv_.wait(lk);
+          } else {
+            p2p_cv_.wait_until(lk, until);
+          }
         }
         stop = stopping_;
         sends.assign(std::make_move_iterator(p2p_sends_.begin()),
