@@ -527,6 +527,10 @@ DISTRPC_MP_TEST("dist autograd: the contexts a lost worker made are released on 
                                            torch::ones({2}));
     ctx.publish("context", std::to_string(c.id()));
     ctx.lookup("seen", std::chrono::seconds(20));
+    // A call in the context that still runs on worker0 (500 ms) when this worker is gone.
+    auto late = distrpc::rpc_async<&ag_test::slow_double>("worker0",
+                                                          torch::ones({2}, torch::requires_grad()));
+    std::this_thread::sleep_for(100ms);
     _exit(0);
   }
   const std::int64_t id = std::stoll(ctx.lookup("context", std::chrono::seconds(20)));
@@ -535,6 +539,9 @@ DISTRPC_MP_TEST("dist autograd: the contexts a lost worker made are released on 
   ctx.publish("seen", "1");
   const auto t0 = Clock::now();
   while (da::has_context(id) && ms_since(t0) < 10000) std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(da::has_context(id));
+  // The late call's reply, encoded once it ran, does not make the context again.
+  std::this_thread::sleep_for(1s);
   CHECK_FALSE(da::has_context(id));
   CHECK(da::get_debug_info().at("num_autograd_contexts") == "0");
   distrpc::shutdown(false);

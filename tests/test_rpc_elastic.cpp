@@ -21,6 +21,7 @@
 
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
+#include <distrpc/store/file_store.hpp>
 
 #include "multiprocess.hpp"
 #include "support/rpc_test_util.hpp"
@@ -256,6 +257,43 @@ DISTRPC_MP_TEST("elastic: a joiner under the name of a live member is refused an
   CHECK_MESSAGE(contains(text, "WorkerInfo(id=0, name=worker0) is alive"), text);
   CHECK_FALSE(distrpc::is_initialized());
   ctx.publish("tried1", "1");
+}
+
+// A joiner that took its join number and died before publishing its entry (done here by hand on
+// the store) holds up the next join for init_timeout once: that joiner marks the number
+// abandoned and joins; a later one does not wait at all.
+DISTRPC_MP_TEST("elastic: a joiner that died before publishing holds up one join, once", 3, 90) {
+  using Clock = std::chrono::steady_clock;
+  if (ctx.rank == 0) {
+    join(ctx, wname(0), 0);
+    distrpc::store::FileStore raw(ctx.dir + "/rendezvous-elastic", -1, 10s);
+    CHECK(raw.add("distrpc/rpc/dyn/seq", 1) == 2);  // number 2, never published
+    ctx.publish("took2", "1");
+    meet(ctx, "done", {0, 1, 2});
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  if (ctx.rank == 2) (void)ctx.lookup("joined1", 60s);
+  (void)ctx.lookup("took2", 60s);
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "elastic");
+  o.init_timeout = 2s;
+  const auto t0 = Clock::now();
+  distrpc::testing::init_rpc_dynamic_under_test(wname(ctx.rank), ctx.rank, o);
+  const auto took = Clock::now() - t0;
+  if (ctx.rank == 1) {
+    CHECK(took >= 1900ms);  // waited for number 2 once
+    ctx.publish("joined1", "1");
+  } else {
+    CHECK(took < 1500ms);  // number 2 is marked abandoned: no wait
+  }
+  meet(ctx, "up", {1, 2});
+  for (int r = 0; r < 3; ++r) {
+    if (r != ctx.rank) CHECK(distrpc::rpc_sync<&plus>(wname(r), r, 1) == r + 1);
+  }
+  meet(ctx, "called", {1, 2});
+  meet(ctx, "done", {0, 1, 2});
+  CHECK_NOTHROW(distrpc::shutdown());
 }
 
 // ---- a worker killed, then replaced ------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -179,6 +180,10 @@ class ElasticProtocol {
     auto& m = agent_->members_;
     const WorkerInfo me = agent_->self();
     if (!m.dynamic()) return {kRefused, Membership::kMixedText};
+    // The calls out to the members the joiner would replace, before the transport routes that
+    // rank to the joiner: a call made from then on may reach the joiner, and must not be failed.
+    std::map<int, std::vector<std::pair<std::uint64_t, std::string>>> pending_before;
+    for (const auto& c : m.conflicts(w)) pending_before[c.id] = agent_->calls_.calls_to(c.id);
     // The answer goes back through the transport, which must know the joiner first.
     if (w.id != me.id) agent_->transport_add_peer(w.id, w.name, address);
     if (w.id == me.id || w.name == me.name) return {kRefused, not_unique(w, me)};
@@ -188,9 +193,8 @@ class ElasticProtocol {
       // Its calls still pending fail now, as a lost worker's do (its connection may never
       // break: the transport now knows its rank at the replacement's address).
       const std::string reason = "it no longer answers; replaced by " + w.str();
-      const auto pending = agent_->calls_.calls_to(c.id);
       m.mark_lost(c.id, reason);
-      for (auto& [id, what] : pending) {
+      for (auto& [id, what] : pending_before[c.id]) {
         agent_->fail_call(id, std::make_exception_ptr(DistNetworkError(
                                   "RPC " + what + " to " + c.str() + " failed: " + reason)));
       }

@@ -240,16 +240,37 @@ class Membership {
     claim_mode("dynamic");
     const std::int64_t seq = st.add(key("dyn/seq"), 1);
     own_seq_ = seq;
-    st.set(key("dyn/join/" + std::to_string(seq)),
-           std::to_string(self_.id) + "\n" + self_.name + "\n" + address);
+    // Published only if no later joiner took this number for abandoned meanwhile (below).
+    const store::Bytes entry =
+        store::to_bytes(std::to_string(self_.id) + "\n" + self_.name + "\n" + address);
+    if (st.compare_set(key("dyn/join/" + std::to_string(seq)), {}, entry) != entry) {
+      throw RpcError("init_rpc: " + self_.str() +
+                     " could not join the dynamic group: its entry "
+                     "(join number " +
+                     std::to_string(seq) +
+                     ") came after a later joiner had "
+                     "waited init_timeout for it and taken it for abandoned; try again");
+    }
     std::vector<std::string> keys;
     for (std::int64_t i = 1; i < seq; ++i) keys.push_back(key("dyn/join/" + std::to_string(i)));
-    // An earlier joiner took its number just before us: its entry follows at once.
-    if (!keys.empty()) st.wait(keys, timeout);
+    // An earlier joiner took its number just before us: its entry follows at once. One that
+    // never comes (that joiner died between taking its number and publishing) is marked
+    // abandoned after `timeout`, so that it holds up this join once, and no later one.
+    if (!keys.empty()) {
+      try {
+        st.wait(keys, timeout);
+      } catch (const DistStoreError&) {
+        for (const auto& k : keys) {
+          if (!st.check({k})) (void)st.compare_set(k, {}, store::to_bytes(kAbandoned));
+        }
+      }
+    }
     std::vector<DynamicEntry> view;
     for (std::int64_t i = 1; i < seq; ++i) {
       if (st.check({key("dyn/left/" + std::to_string(i))})) continue;
-      DynamicEntry e = parse_entry(i, st.get_string(keys[static_cast<std::size_t>(i - 1)]));
+      const std::string v = st.get_string(keys[static_cast<std::size_t>(i - 1)]);
+      if (v == kAbandoned) continue;
+      DynamicEntry e = parse_entry(i, v);
       std::erase_if(view, [&](const DynamicEntry& o) {
         return o.info.id == e.info.id || o.info.name == e.info.name;
       });
@@ -394,6 +415,9 @@ class Membership {
         store::to_string(store_->compare_set(k, store::Bytes{}, store::to_bytes(mine)));
     if (got != mine) throw RpcError(kMixedText);
   }
+
+  // What a joiner writes under a join number whose entry never came (see join_dynamic).
+  static constexpr const char* kAbandoned = "abandoned";
 
   static DynamicEntry parse_entry(std::int64_t seq, const std::string& v) {
     const auto a = v.find('\n');

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -107,11 +108,12 @@ class ContextContainer {
     remember_locked(id);
     return ctx;
   }
-  // Removes every context worker `creator` made, and forgets which of its contexts were
-  // released: it was lost, so nothing will release them, and a next incarnation of that worker
-  // counts its ids from 0 again.
+  // Removes every context worker `creator` made (it was lost, so nothing will release them) and
+  // makes none of its ids again until it joins again (joined()): a request of its that still runs
+  // here, or is still queued, must not make its context again for good.
   std::vector<ContextPtr> erase_made_by(int creator) {
     std::lock_guard<std::mutex> lk(mu_);
+    lost_creators_.insert(creator);
     std::vector<ContextPtr> gone;
     for (auto it = contexts_.begin(); it != contexts_.end();) {
       if (creator_of(it->first) == creator) {
@@ -130,6 +132,12 @@ class ContextContainer {
       }
     }
     return gone;
+  }
+  // Worker `creator` joined again (a new incarnation, counting its ids from 0): its contexts are
+  // made again when its messages bring them.
+  void joined(int creator) {
+    std::lock_guard<std::mutex> lk(mu_);
+    lost_creators_.erase(creator);
   }
   std::size_t size() const {
     std::lock_guard<std::mutex> lk(mu_);
@@ -152,7 +160,7 @@ class ContextContainer {
   // worker's when remembered.
   bool released_locked(std::int64_t id) const {
     if (creator_of(id) == worker_id_) return (id & kCounterMask) < next_counter_;
-    return released_set_.count(id) != 0;
+    return released_set_.count(id) != 0 || lost_creators_.count(creator_of(id)) != 0;
   }
   void remember_locked(std::int64_t id) {
     if (creator_of(id) == worker_id_ || !released_set_.insert(id).second) return;
@@ -169,6 +177,7 @@ class ContextContainer {
   std::map<std::int64_t, ContextPtr> contexts_;
   std::deque<std::int64_t> released_;  // other workers' released ids, oldest first
   std::unordered_set<std::int64_t> released_set_;
+  std::set<int> lost_creators_;  // lost workers, until they join again
 };
 
 }  // namespace distrpc::dist_autograd

@@ -387,6 +387,11 @@ class AutogradLayer final : public AgentExtension,
     auto pass = gate_->enter();
     if (!pass || !pass->host_after(kLossGrace, apply)) apply();
   }
+  // A worker joined again (a replacement under a lost one's rank): its contexts may be made here
+  // again.
+  void on_peer_joined(int peer) override {
+    if (made_.load(std::memory_order_acquire) != nullptr) contexts().joined(peer);
+  }
   void add_debug_info(std::map<std::string, std::string>& out) const override {
     out["dist_autograd.num_current_backward_passes"] = std::to_string(passes_.load());
     // Not made yet, or being made on another thread: none to count.
@@ -645,6 +650,12 @@ class AutogradLayer final : public AgentExtension,
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
     reply.add_done_callback([weak, root = origin.root](const Future<wire::Message>& r) {
       if (!r.has_error()) return;
+      try {
+        std::rethrow_exception(r.exception_ptr());
+      } catch (const DistNetworkError&) {
+        return;  // the root is lost: nobody waits for the report
+      } catch (...) {
+      }
       auto self = weak.lock();
       if (!self || self->stopping_.load()) return;
       distrpc::detail::log_error(

@@ -586,8 +586,13 @@ class DistrpcBackend final : public Backend {
       if (shut_down_) return;
       shut_down_ = true;
     }
-    // What is queued fails here, not in the threads' loops: a thread this is called from (a Work
-    // callback) leaves its loop without touching the backend again.
+    // Called from a Work callback on one of the backend's threads, that thread leaves its loop
+    // without touching the backend again, so what is queued for it fails here, at the end. Every
+    // other loop fails its own queue when it sees stopping_, before it is joined (a callback
+    // there waiting on queued work then ends before the join waits for it).
+    const auto me = std::this_thread::get_id();
+    const bool from_executor = executor_.get_id() == me;
+    const bool from_p2p = p2p_thread_.get_id() == me;
     std::deque<Task> tasks;
     std::deque<P2PRecv> recvs;
     std::deque<P2PSend> sends;
@@ -596,10 +601,14 @@ class DistrpcBackend final : public Backend {
       std::lock_guard<std::mutex> b(p2p_mu_);
       stopping_ = true;
       stopping_flag_.store(true, std::memory_order_release);
-      tasks.swap(tasks_);
-      queued_.fetch_sub(static_cast<std::int64_t>(tasks.size()), std::memory_order_acq_rel);
-      recvs.swap(p2p_recvs_);
-      sends.swap(p2p_sends_);
+      if (from_executor) {
+        tasks.swap(tasks_);
+        queued_.fetch_sub(static_cast<std::int64_t>(tasks.size()), std::memory_order_acq_rel);
+      }
+      if (from_p2p) {
+        recvs.swap(p2p_recvs_);
+        sends.swap(p2p_sends_);
+      }
     }
     std::thread watchdog;
     {

@@ -31,6 +31,7 @@
 #include <iterator>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <utility>
 
 #include "distrpc/net/env_number.hpp"
@@ -46,7 +47,7 @@ class RecvStorage final : public c10::Allocator {
   // The process's one instance. Never destroyed: a tensor freed during static destruction still
   // returns its block here.
   static RecvStorage& instance() {
-    static RecvStorage* const storage = new RecvStorage(limit_from_env());
+    static RecvStorage* const storage = new RecvStorage(limit_or_default());
     return *storage;
   }
 
@@ -61,6 +62,19 @@ class RecvStorage final : public c10::Allocator {
   }
   static constexpr unsigned long long kMaxCacheMiB = 1ull << 20;  // 1 TiB
 
+ private:
+  // The limit for instance(), made on first use, which may be on a reading thread: a bad value
+  // (the transports refused it at their start; set since, or no transport started) gives the
+  // default there instead of an exception.
+  static std::size_t limit_or_default() {
+    try {
+      return limit_from_env();
+    } catch (const std::invalid_argument&) {
+      return std::size_t{128} << 20;
+    }
+  }
+
+ public:
   explicit RecvStorage(std::size_t cache_limit_bytes) : limit_(cache_limit_bytes) {}
   RecvStorage(const RecvStorage&) = delete;
   RecvStorage& operator=(const RecvStorage&) = delete;
