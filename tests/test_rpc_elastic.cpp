@@ -376,20 +376,27 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
   CHECK_NOTHROW(distrpc::shutdown());
 }
 
-TEST_CASE("elastic: a worker killed with SIGKILL is replaced by a new process under its name") {
+namespace elastic_test {
+// Runs `target` on `world` processes: `killed` ends by SIGKILL, every other one exits with 0.
+void run_with_one_killed(const char* target, int world, int killed) {
   distrpc::testing::RunOptions o;
-  o.world = 4;
+  o.world = world;
   o.limit = 90s;
-  o.may_die = {2};
-  const auto r = distrpc::testing::run_ranks("elastic target: kill and replace", o);
+  o.may_die = {killed};
+  const auto r = distrpc::testing::run_ranks(target, o);
   CHECK_MESSAGE(r.ok, r.report());
   for (const auto& rank : r.ranks) {
-    if (rank.rank == 2) {
+    if (rank.rank == killed) {
       CHECK_MESSAGE(rank.signal == SIGKILL, r.report());
     } else {
       CHECK_MESSAGE(rank.exit_code == 0, r.report());
     }
   }
+}
+}  // namespace elastic_test
+
+TEST_CASE("elastic: a worker killed with SIGKILL is replaced by a new process under its name") {
+  run_with_one_killed("elastic target: kill and replace", 4, 2);
 }
 
 // ---- a worker frozen, then replaced ------------------------------------------------------------
@@ -437,17 +444,5 @@ DISTRPC_MP_TARGET("elastic target: freeze and replace") {
 }
 
 TEST_CASE("elastic: a frozen worker's pending calls fail when a replacement takes its place") {
-  distrpc::testing::RunOptions o;
-  o.world = 3;
-  o.limit = 90s;
-  o.may_die = {1};
-  const auto r = distrpc::testing::run_ranks("elastic target: freeze and replace", o);
-  CHECK_MESSAGE(r.ok, r.report());
-  for (const auto& rank : r.ranks) {
-    if (rank.rank == 1) {
-      CHECK_MESSAGE(rank.signal == SIGKILL, r.report());
-    } else {
-      CHECK_MESSAGE(rank.exit_code == 0, r.report());
-    }
-  }
+  run_with_one_killed("elastic target: freeze and replace", 3, 1);
 }

@@ -418,16 +418,21 @@ class RpcAgent : public AgentServices,
     }
   }
 
+  // Fails `calls` (from calls_.calls_to) to `who`: "RPC <what> to <who> failed: <why>".
+  void fail_calls(const std::vector<std::pair<std::uint64_t, std::string>>& calls,
+                  const WorkerInfo& who, const std::string& why) {
+    for (const auto& [id, what] : calls) {
+      fail_call(id, std::make_exception_ptr(
+                        DistNetworkError("RPC " + what + " to " + who.str() + " failed: " + why)));
+    }
+  }
+
   // Transport callback (I/O thread): every pending call to `peer` fails now, naming it.
   void on_peer_lost(int peer, const std::string& reason) {
     const WorkerInfo who = members_.describe(peer);
     const auto lost = calls_.calls_to(peer);
     members_.mark_lost(peer, reason);
-    for (auto& [id, what] : lost) {
-      fail_call(id, std::make_exception_ptr(DistNetworkError("RPC " + what + " to " + who.str() +
-                                                             " failed: connection lost (" + reason +
-                                                             ")")));
-    }
+    fail_calls(lost, who, "connection lost (" + reason + ")");
     // Forks the lost peer held are released; values may be destroyed, so not on this thread.
     for (const auto& x : extensions_) {
       callback_pool_.post([x, peer] { x->on_peer_lost(peer); });

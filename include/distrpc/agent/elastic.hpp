@@ -194,10 +194,7 @@ class ElasticProtocol {
       // break: the transport now knows its rank at the replacement's address).
       const std::string reason = "it no longer answers; replaced by " + w.str();
       m.mark_lost(c.id, reason);
-      for (auto& [id, what] : pending_before[c.id]) {
-        agent_->fail_call(id, std::make_exception_ptr(DistNetworkError(
-                                  "RPC " + what + " to " + c.str() + " failed: " + reason)));
-      }
+      agent_->fail_calls(pending_before[c.id], c, reason);
       // Its connection never broke here, so nothing released what it held: the RRef forks of
       // the old incarnation go now, as a lost worker's do, before the new one can hold any (this
       // runs on a request thread: values may be destroyed here).

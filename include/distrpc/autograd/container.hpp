@@ -115,22 +115,14 @@ class ContextContainer {
     std::lock_guard<std::mutex> lk(mu_);
     lost_creators_.insert(creator);
     std::vector<ContextPtr> gone;
-    for (auto it = contexts_.begin(); it != contexts_.end();) {
-      if (creator_of(it->first) == creator) {
-        gone.push_back(std::move(it->second));
-        it = contexts_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    for (auto it = released_.begin(); it != released_.end();) {
-      if (creator_of(*it) == creator) {
-        released_set_.erase(*it);
-        it = released_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    std::erase_if(contexts_, [&](const auto& entry) {
+      if (creator_of(entry.first) != creator) return false;
+      gone.push_back(entry.second);
+      return true;
+    });
+    std::erase_if(released_, [&](std::int64_t id) {
+      return creator_of(id) == creator && released_set_.erase(id) != 0;
+    });
     return gone;
   }
   // Worker `creator` joined again (a new incarnation, counting its ids from 0): its contexts are

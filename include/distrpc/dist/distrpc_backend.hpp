@@ -635,19 +635,12 @@ class DistrpcBackend final : public Backend {
       join_or_detach(*t);
     }
     // Last, touching no member: a callback may drop the last reference to this backend.
-    const auto shut = [](const std::string& text) {
-      return std::make_exception_ptr(DistBackendError("DistrpcBackend: " + text));
-    };
     for (Task& t : tasks) {
-      t.work->finish_error(shut(t.op.what() + " was not run: the backend was shut down"));
+      t.work->finish_error(std::make_exception_ptr(DistBackendError(
+          "DistrpcBackend: " + t.op.what() + " was not run: the backend was shut down")));
     }
-    for (P2PRecv& r : recvs) {
-      r.work->finish_error(shut(recv_what(r) + " failed: the backend was shut down"));
-    }
-    for (P2PSend& x : sends) {
-      x.work->finish_error(
-          shut("send to rank " + std::to_string(x.dst) + " failed: the backend was shut down"));
-    }
+    for (P2PRecv& r : recvs) r.work->finish_error(shut_down_error(r));
+    for (P2PSend& x : sends) x.work->finish_error(shut_down_error(x));
   }
 
  private:
@@ -1432,6 +1425,17 @@ class DistrpcBackend final : public Backend {
     return work;
   }
 
+  // What a receive or send still pending at shutdown fails with (shutdown() and p2p_loop()).
+  static std::exception_ptr shut_down_error(const P2PRecv& r) {
+    return std::make_exception_ptr(
+        DistBackendError("DistrpcBackend: " + recv_what(r) + " failed: the backend was shut down"));
+  }
+  static std::exception_ptr shut_down_error(const P2PSend& s) {
+    return std::make_exception_ptr(DistBackendError("DistrpcBackend: send to rank " +
+                                                    std::to_string(s.dst) +
+                                                    " failed: the backend was shut down"));
+  }
+
   static std::string recv_what(const P2PRecv& r) {
     return std::string(r.name) + (r.src >= 0 ? " from rank " + std::to_string(r.src) : "") +
            " (tag " + std::to_string(r.tag) + ")";
@@ -1445,6 +1449,7 @@ class DistrpcBackend final : public Backend {
       std::vector<P2PSend> sends;
       std::vector<std::pair<P2PRecv, P2PArrived>> matched;
       std::vector<std::pair<std::shared_ptr<Work>, std::string>> failed;
+      std::vector<P2PRecv> stopped;  // failed because the backend stops
       bool stop = false;
       {
         std::unique_lock<std::mutex> lk(p2p_mu_);
@@ -1486,8 +1491,7 @@ class DistrpcBackend final : public Backend {
             p2p_box_.erase(m);
             it = p2p_recvs_.erase(it);
           } else if (stop) {
-            failed.emplace_back(it->work, "DistrpcBackend: " + recv_what(*it) +
-                                              " failed: the backend was shut down");
+            stopped.push_back(std::move(*it));
             it = p2p_recvs_.erase(it);
           } else if (it->src >= 0 && lost_for_good(it->src, now)) {
             failed.emplace_back(it->work, "DistrpcBackend: " + recv_what(*it) +
@@ -1510,12 +1514,11 @@ class DistrpcBackend final : public Backend {
       // without touching a member (complete_recv is static), and sends fail (has_left).
       for (auto& [w, text] : failed)
         w->finish_error(std::make_exception_ptr(DistBackendError(text)));
+      for (P2PRecv& r : stopped) r.work->finish_error(shut_down_error(r));
       for (auto& [r, a] : matched) complete_recv(r, a);
       for (P2PSend& s : sends) {
         if (stop || has_left(gone)) {
-          s.work->finish_error(std::make_exception_ptr(
-              DistBackendError("DistrpcBackend: send to rank " + std::to_string(s.dst) +
-                               " failed: the backend was shut down")));
+          s.work->finish_error(shut_down_error(s));
           continue;
         }
         Header h;
