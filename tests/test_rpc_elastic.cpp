@@ -11,6 +11,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <set>
 #include <string>
@@ -401,6 +403,35 @@ TEST_CASE("elastic: a worker killed with SIGKILL is replaced by a new process un
 
 // ---- a worker frozen, then replaced ------------------------------------------------------------
 
+namespace elastic_test {
+// Whether every thread of `pid` is stopped within `limit`. kill(SIGSTOP) returns before the
+// target's threads stop: each stops when it next enters the kernel, so under load a thread can
+// still answer a call for a while after kill() returned.
+bool wait_stopped(pid_t pid, std::chrono::milliseconds limit) {
+  namespace fs = std::filesystem;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  const fs::path tasks = fs::path("/proc") / std::to_string(pid) / "task";
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool all = true;
+    std::error_code ec;
+    for (const auto& task : fs::directory_iterator(tasks, ec)) {
+      // /proc/PID/task/TID/stat: "TID (comm) STATE ..."; comm may hold spaces and parentheses.
+      std::ifstream in(task.path() / "stat");
+      const std::string line((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      const auto close = line.rfind(')');
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+        all = false;
+        break;
+      }
+    }
+    if (all && !ec) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+}  // namespace elastic_test
+
 // Worker1 is stopped (SIGSTOP: its connections stay up, it answers nothing) while worker0 has a
 // call out to it; a replacement joins under its name and rank. Worker0 finds the frozen one
 // silent, takes it for dead, and fails the call still out to it at once, naming it and the
@@ -425,6 +456,7 @@ DISTRPC_MP_TARGET("elastic target: freeze and replace") {
   const pid_t frozen = static_cast<pid_t>(std::stol(ctx.lookup("pid1", 60s)));
   CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 1);
   REQUIRE(::kill(frozen, SIGSTOP) == 0);
+  REQUIRE(elastic_test::wait_stopped(frozen, 5000ms));
   distrpc::Future<int> out = distrpc::rpc_async<&plus>(wname(1), distrpc::CallOptions{60s}, 1, 2);
   std::this_thread::sleep_for(200ms);
   CHECK_FALSE(out.done());
