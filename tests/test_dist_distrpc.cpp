@@ -698,6 +698,79 @@ DISTRPC_MP_TEST("distrpc backend: a recv nobody answers times out; one whose sen
   CHECK(ms_since(t0) < 10000);
 }
 
+// The n-th send pairs with the n-th receive: the message sent for a receive that timed out is
+// dropped when it arrives, and the next receive gets the next message (it once got the late one).
+DISTRPC_MP_TEST("distrpc backend: a message for a recv that timed out does not go to the next one",
+                2, 60) {
+  auto b = make_backend<Tcp>(ctx, 500ms);
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("timed-out", 30s);
+    std::vector<at::Tensor> late{at::ones({2})};
+    CHECK(b->send(late, 0, 3)->wait());
+    std::vector<at::Tensor> next{at::full({2}, 2.0)};
+    CHECK(b->send(next, 0, 3)->wait());
+    (void)ctx.lookup("checked", 30s);
+    return;
+  }
+  std::vector<at::Tensor> t{at::zeros({2})};
+  CHECK(error_of(b->recv(t, 1, 3)) ==
+        "DistrpcBackend: Timeout: recv from rank 1 (tag 3) on rank 0 got no message within 500 ms");
+  ctx.publish("timed-out", "1");
+  std::this_thread::sleep_for(200ms);  // the late message lands before the next receive is posted
+  std::vector<at::Tensor> u{at::zeros({2})};
+  CHECK(b->recv(u, 1, 3)->wait());
+  CHECK(at::equal(u[0], at::full({2}, 2.0)));
+  CHECK(at::equal(t[0], at::zeros({2})));  // the timed-out receive's tensor stays as it was
+  CHECK(b->held_messages() == 0);
+  ctx.publish("checked", "1");
+}
+
+// After a failed collective no collective runs again: what arrives for one later is not kept
+// (it once stayed in the mailbox for good, one message per later collective of each peer).
+DISTRPC_MP_TEST("distrpc backend: after a failed collective, later messages are not kept", 2, 60) {
+  auto b = make_backend<Tcp>(ctx, 500ms);
+  std::vector<at::Tensor> t{at::ones({4})};
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("failed", 30s);
+    std::vector<std::shared_ptr<Work>> works;
+    for (int i = 0; i < 3; ++i) works.push_back(b->allreduce(t, AllreduceOptions{}));
+    for (auto& w : works) (void)error_of(w);  // the first may complete; the others time out
+    ctx.publish("sent", "1");
+    (void)ctx.lookup("checked", 30s);
+    return;
+  }
+  const std::string e = error_of(b->allreduce(t, AllreduceOptions{}));
+  CHECK(e.find("Timeout: allreduce (sequence number 1) on rank 0") != std::string::npos);
+  ctx.publish("failed", "1");
+  (void)ctx.lookup("sent", 30s);
+  std::this_thread::sleep_for(300ms);  // rank 1's messages land
+  CHECK(b->held_messages() == 0);
+  CHECK(error_of(b->allreduce(t, AllreduceOptions{})).find("was not run: the group is unusable") !=
+        std::string::npos);
+  ctx.publish("checked", "1");
+}
+
+// The group's timeout counts from when a collective starts here, not from its call: collectives
+// queued behind one that waits for a slow member do not time out while they wait their turn.
+DISTRPC_MP_TEST("distrpc backend: the group timeout counts from a collective's start", 2, 60) {
+  auto b = make_backend<Tcp>(ctx, 1000ms);
+  std::vector<std::vector<at::Tensor>> ts(3, std::vector<at::Tensor>{});
+  for (auto& t : ts) t.push_back(at::ones({4}));
+  if (ctx.rank == 1) {
+    for (auto& t : ts) {
+      std::this_thread::sleep_for(500ms);  // the last starts 1.5 s after rank 0 called it
+      CHECK(b->allreduce(t, AllreduceOptions{})->wait());
+    }
+    return;
+  }
+  std::vector<std::shared_ptr<Work>> works;
+  for (auto& t : ts) works.push_back(b->allreduce(t, AllreduceOptions{}));
+  for (std::size_t i = 0; i < works.size(); ++i) {
+    CHECK_MESSAGE(error_of(works[i]).empty(), "allreduce ", i);
+    CHECK(at::equal(ts[i][0], at::full({4}, 2.0)));
+  }
+}
+
 // A Work callback that shuts the backend down runs on the collectives' thread, which then leaves
 // its loop: what is queued behind fails at once, by shutdown() itself.
 DISTRPC_MP_TEST("distrpc backend: shutdown from a Work callback fails the work queued behind it", 2,

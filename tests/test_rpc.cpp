@@ -480,6 +480,37 @@ DISTRPC_MP_TEST("rpc: destinations by name, WorkerInfo and rank; self calls; bad
   distrpc::shutdown();
 }
 
+// The agent routes its own calls off the request pool by reading only the header's first fields:
+// the peek agrees with the full decode, whatever the name's and signature text's lengths, and a
+// header cut short anywhere reads as a user call (the full decode then reports it).
+TEST_CASE("rpc: a request header's internal flag is read without decoding the rest") {
+  for (const bool internal : {false, true}) {
+    for (const std::string& name : {std::string(), std::string("f"), std::string(300, 'n')}) {
+      distrpc::RequestHeader h;
+      h.name = name;
+      h.signature = 0x0101010101010101ULL;  // a byte that would read as `true` if misaligned
+      h.internal = internal;
+      h.mode = 3;
+      h.mode_data = "mode";
+      h.signature_text = std::string(name.size() % 7, 's');
+      distrpc::wire::Message m;
+      m.type = distrpc::wire::MessageType::Request;
+      distrpc::wire::encode(m, h, 42);
+      CHECK(distrpc::RequestHeader::peek_internal(m) == internal);
+      distrpc::RequestHeader back;
+      distrpc::wire::InputArchive ar(m);
+      ar(back);
+      CHECK(back.internal == internal);
+      for (std::size_t cut = 0; cut < m.payload.size(); ++cut) {
+        distrpc::wire::Message shorter = m;
+        shorter.payload.resize(cut);
+        const bool whole_flag = cut > 8 + name.size() + 8 + 8 + h.signature_text.size();
+        CHECK(distrpc::RequestHeader::peek_internal(shorter) == (internal && whole_flag));
+      }
+    }
+  }
+}
+
 TEST_CASE("rpc: WorkerInfo string form, equality and hashing") {
   const WorkerInfo a{1, "worker1"};
   const WorkerInfo b{1, "worker1"};

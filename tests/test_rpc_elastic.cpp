@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -48,6 +49,17 @@ int plus(int a, int b) {
 }
 int incarnation() {
   return g_incarnation;
+}
+// Holds a request thread until the worker's main thread lets go (or 30 s pass).
+std::atomic<int> g_holding{0};
+std::atomic<bool> g_let_go{false};
+int hold(int v) {
+  ++g_holding;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!g_let_go.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return v;
 }
 int make_value(int v) {
   return v;
@@ -259,6 +271,62 @@ DISTRPC_MP_TEST("elastic: a joiner under the name of a live member is refused an
   CHECK_MESSAGE(contains(text, "WorkerInfo(id=0, name=worker0) is alive"), text);
   CHECK_FALSE(distrpc::is_initialized());
   ctx.publish("tried1", "1");
+}
+
+// A member whose request threads are all busy in user code still answers the membership's
+// liveness check: a joiner under its name (at a free rank) is refused, the member keeps its place
+// and its running calls complete (the check once waited for a request thread, timed out after
+// 2 s and had the live member replaced, its calls failed).
+DISTRPC_MP_TEST("elastic: a member whose request threads are all busy is not taken for dead", 3,
+                90) {
+  if (ctx.rank == 1) {
+    RpcBackendOptions o;
+    o.init_method = file_url(ctx, "elastic");
+    o.num_worker_threads = 2;
+    (void)ctx.lookup("up0", 60s);
+    distrpc::testing::init_rpc_dynamic_under_test(wname(1), 1, o);
+    ctx.publish("up1", "1");
+    const auto t0 = std::chrono::steady_clock::now();
+    while (g_holding.load() < 2 && std::chrono::steady_clock::now() - t0 < 30s) {
+      std::this_thread::sleep_for(5ms);
+    }
+    REQUIRE(g_holding.load() >= 2);
+    // Both request threads hold one; the transport's reading threads may run one each besides
+    // (leader/follower), until one is left reading: the rest wait in the queue.
+    std::this_thread::sleep_for(300ms);
+    ctx.publish("busy", "1");
+    (void)ctx.lookup("tried", 60s);
+    g_let_go = true;
+    meet(ctx, "done", {0, 1});
+    CHECK_NOTHROW(distrpc::shutdown());
+    return;
+  }
+  if (ctx.rank == 2) {
+    (void)ctx.lookup("busy", 60s);
+    RpcBackendOptions o;
+    o.init_method = file_url(ctx, "elastic");
+    const std::string text =
+        error_of([&] { distrpc::testing::init_rpc_dynamic_under_test(wname(1), 2, o); });
+    CHECK_MESSAGE(contains(text,
+                           "Worker name 'worker1' is not unique: WorkerInfo(id=2, "
+                           "name=worker1) cannot join the dynamic group while "
+                           "WorkerInfo(id=1, name=worker1) is alive"),
+                  text);
+    CHECK_FALSE(distrpc::is_initialized());
+    ctx.publish("tried", "1");
+    return;
+  }
+  join(ctx, wname(0), 0);
+  ctx.publish("up0", "1");
+  (void)ctx.lookup("up1", 60s);
+  std::vector<distrpc::Future<int>> busy;
+  for (int i = 0; i < 8; ++i) busy.push_back(distrpc::rpc_async<&hold>(wname(1), 10 + i));
+  (void)ctx.lookup("tried", 60s);
+  for (int i = 0; i < 8; ++i) CHECK(busy[static_cast<std::size_t>(i)].value() == 10 + i);
+  CHECK((member_names() == std::set<std::string>{wname(0), wname(1)}));
+  CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 1);
+  meet(ctx, "done", {0, 1});
+  CHECK_NOTHROW(distrpc::shutdown());
 }
 
 // A joiner that took its join number and died before publishing its entry (done here by hand on

@@ -572,8 +572,9 @@ class RpcAgent : public AgentServices,
     transport_drive(done, std::min(until, std::chrono::steady_clock::now() + budget));
   }
 
-  // Queues a request on the request pool (a control message on the callback pool). After
-  // shutdown began it is dropped: the caller learns through peer loss or its timeout.
+  // Queues a request on the request pool (a control message, or one of the agent's own calls, on
+  // the callback pool). A user request that comes after shutdown began is dropped: the caller
+  // learns through peer loss or its timeout.
   void dispatch_request(int peer, wire::Message&& m) {
     if (wire::is_control_message_type(m.type)) {
       // Library code that never blocks on the network: like a request, it may run on the reading
@@ -588,9 +589,17 @@ class RpcAgent : public AgentServices,
       }
       return;
     }
+    // The agent's own calls (membership: admit, liveness ping, leave; the group protocol) never
+    // wait for a request thread: user handlers that hold every one of them (a long training step)
+    // must not make this worker look dead to a joiner, nor stall a join or a shutdown.
+    const bool internal = RequestHeader::peek_internal(m);
     std::function<void()> task = [this, peer, msg = std::move(m)]() mutable {
       handle_request(peer, std::move(msg));
     };
+    if (internal) {
+      callback_pool_.post(std::move(task));  // runs during shutdown too (its exit barrier)
+      return;
+    }
     // Leader/follower: the reading thread may run it itself once another thread took over the
     // I/O (transport.hpp, InlineScope; docs/threading.md); otherwise it goes to the request pool.
     if (transport::offer_inline(
@@ -1045,8 +1054,11 @@ class RpcAgent : public AgentServices,
         handle_control(self().id, std::move(req));
       });
     }
-    return request_pool_.post(
-        [this, req = std::move(request)]() mutable { handle_request(self().id, std::move(req)); });
+    const bool internal = RequestHeader::peek_internal(request);
+    std::function<void()> task = [this, req = std::move(request)]() mutable {
+      handle_request(self().id, std::move(req));
+    };
+    return internal ? callback_pool_.post(std::move(task)) : request_pool_.post(std::move(task));
   }
 
   void reply_when_done(int peer, std::uint64_t id, const std::string& name, bool counted,

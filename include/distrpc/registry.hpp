@@ -69,10 +69,27 @@ struct RequestHeader {
   void save(Archive& ar) const {
     const auto wire_mode =
         static_cast<std::uint8_t>(mode | (attachments.empty() ? 0 : kAttachmentsBit));
-    ar(name, signature, signature_text, internal, wire_mode);
+    ar(name, signature, signature_text, internal, wire_mode);  // peek_internal() reads 4 of them
     if (mode != kPlainCall) ar(mode_data);
     if (!attachments.empty()) ar(attachments);
   }
+  // Whether the request in `m` is one of the agent's own (`internal`), read without decoding the
+  // rest (for routing it on a reading thread); false when the header is malformed, which the
+  // full decode then reports.
+  static bool peek_internal(const wire::Message& m) noexcept {
+    try {
+      wire::InputArchive ar(m);
+      ar.skip(ar.read<cereal::size_type>());  // name
+      ar.skip(sizeof(std::uint64_t));         // signature
+      ar.skip(ar.read<cereal::size_type>());  // signature_text
+      bool internal = false;
+      ar(internal);
+      return internal;
+    } catch (...) {
+      return false;
+    }
+  }
+
   template <class Archive>
   void load(Archive& ar) {
     std::uint8_t wire_mode = 0;

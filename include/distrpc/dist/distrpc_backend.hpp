@@ -579,6 +579,13 @@ class DistrpcBackend final : public Backend {
     return post_recv(t, -1, tag, "recv_anysource");
   }
 
+  // Messages received and held for a collective or a receive not yet posted here (diagnostics: a
+  // count that only grows means the members' calls no longer line up).
+  std::size_t held_messages() {
+    std::scoped_lock lk(mu_, p2p_mu_);
+    return box_.size() + p2p_box_.size();
+  }
+
   // Fails what is pending ("shut down"), joins the threads, closes the transport. Idempotent.
   void shutdown() override {
     {
@@ -865,6 +872,10 @@ class DistrpcBackend final : public Backend {
         task = std::move(tasks_.front());
         tasks_.pop_front();
         queued_.fetch_sub(1, std::memory_order_acq_rel);
+        // The group's timeout counts from the start here, as gloo's does: collectives queued
+        // behind a slow one do not use up their time waiting for it. (A call's own, shorter
+        // timeout counts from the call: the watchdog above.)
+        task.op.deadline = Clock::now() + task.op.timeout;
         broken = broken_;
         if (stopping_) broken = "the backend was shut down";
       }
@@ -889,10 +900,13 @@ class DistrpcBackend final : public Backend {
         } catch (...) {
         }
         {
+          // No collective runs from now on: what is held, and what comes later, is dropped.
           std::lock_guard<std::mutex> lk(mu_);
           if (broken_.empty()) {
             broken_ = "the group is unusable after an earlier failure (" + text + ")";
           }
+          box_.clear();
+          heard_.clear();
         }
         task.work->finish_error(std::current_exception());
         if (has_left(gone)) return;
@@ -1342,15 +1356,32 @@ class DistrpcBackend final : public Backend {
     }
     at::Tensor bytes = m.buffers.empty() ? at::Tensor() : std::move(m.buffers.front());
     if (h.kind == static_cast<std::uint8_t>(detail::DistrpcKind::P2P)) {
+      bool late = false;
       {
         std::lock_guard<std::mutex> lk(p2p_mu_);
-        p2p_box_.push_back(P2PArrived{peer, h.tag, std::move(bytes)});
+        if (const auto owed = p2p_owed_.find({peer, h.tag}); owed != p2p_owed_.end()) {
+          late = true;
+          if (--owed->second == 0) p2p_owed_.erase(owed);
+        } else {
+          p2p_box_.push_back(P2PArrived{peer, h.tag, std::move(bytes)});
+        }
+      }
+      if (late) {
+        distrpc::detail::log_warning(
+            "distrpc backend", "rank " + std::to_string(rank()) + ": dropped a message from rank " +
+                                   std::to_string(peer) + " (tag " + std::to_string(h.tag) + ", " +
+                                   std::to_string(h.region_bytes) +
+                                   " bytes) that arrived after its receive timed out");
+        return;
       }
       p2p_cv_.notify_all();
       return;
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
+      // After a failure no collective runs again: nothing is kept for one (the meeting's hellos,
+      // collective 0, come before any failure).
+      if (!broken_.empty()) return;
       heard_[h.coll].insert(peer);  // collective 0 is the meeting's hello
       box_.emplace(Key{peer, h.coll, h.step, h.chunk}, Arrived{std::move(h), std::move(bytes)});
       arrivals_.fetch_add(1, std::memory_order_release);
@@ -1500,6 +1531,10 @@ class DistrpcBackend final : public Backend {
                                               lost_[static_cast<std::size_t>(it->src)] + ")");
             it = p2p_recvs_.erase(it);
           } else if (now >= it->deadline) {
+            // The sender's message for it may still come: it is this receive's (the n-th send
+            // pairs with the n-th receive), so it is dropped on arrival rather than given to the
+            // next receive. An any-source receive names no sender to owe it.
+            if (it->src >= 0) ++p2p_owed_[{it->src, it->tag}];
             failed.emplace_back(it->work, "DistrpcBackend: Timeout: " + recv_what(*it) +
                                               " on rank " + std::to_string(rank()) +
                                               " got no message within " +
@@ -1603,6 +1638,8 @@ class DistrpcBackend final : public Backend {
   std::deque<P2PSend> p2p_sends_;
   std::deque<P2PRecv> p2p_recvs_;
   std::deque<P2PArrived> p2p_box_;
+  // (source, tag) -> messages still to come for receives from that source that timed out.
+  std::map<std::pair<int, std::int64_t>, std::uint64_t> p2p_owed_;
 
   std::mutex shutdown_mu_;
   bool shut_down_ = false;

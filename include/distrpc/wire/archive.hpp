@@ -192,6 +192,16 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
     cur_ += size;
   }
 
+  // Moves past `size` bytes (bounds-checked like read_bytes).
+  void skip(std::size_t size) {
+    if (size > remaining()) {
+      detail::decode_fail("truncated: " + std::to_string(size) + " bytes to skip at offset " +
+                          std::to_string(position()) + ", " + std::to_string(remaining()) +
+                          " left in a payload of " + std::to_string(end_ - begin_) + " bytes");
+    }
+    cur_ += size;
+  }
+
   template <class T>
   T read() {
     static_assert(std::is_trivially_copyable_v<T>, "read() takes a trivially copyable type");
