@@ -771,6 +771,17 @@ DISTRPC_MP_TEST("rpc: void functions, static member functions, builtin operators
         std::tuple<int>{1});
     auto f2 = agent->call(agent->worker(dst), std::move(m2), 10s, false, "raw call");
     CHECK_THROWS_WITH(f2.value(), doctest::Contains("echo_int"));
+
+    // A user function marked as one of the library's own calls (which run off the request pool)
+    // is refused.
+    distrpc::wire::Message m3;
+    distrpc::RequestHeader h3{std::string(distrpc::detail::function_name<&echo_int>()), 12345,
+                              true};
+    distrpc::wire::encode(m3, h3, std::tuple<int>{1});
+    auto f3 = agent->call(agent->worker(dst), std::move(m3), 10s, false, "raw call");
+    CHECK_THROWS_WITH(f3.value(),
+                      doctest::Contains("was called as one of the library's own calls, which it "
+                                        "is not"));
   }
   CHECK(distrpc::rpc_sync<&echo_int>(dst, 2) == 2);
 

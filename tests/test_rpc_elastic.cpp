@@ -411,9 +411,12 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     std::this_thread::sleep_for(60s);  // never reached
   }
   std::optional<distrpc::RRef<int>> rref;
+  std::optional<distrpc::RRef<int>> kept;  // held across the replacement
   if (ctx.rank == 1) {
     rref = distrpc::remote<&make_value>(wname(2), 7);
+    kept = distrpc::remote<&make_value>(wname(2), 8);
     CHECK(rref->to_here() == 7);
+    CHECK(kept->to_here() == 8);
     ctx.publish("rref_made", "1");
   }
   (void)ctx.lookup("killed2", 60s);
@@ -438,6 +441,16 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
   CHECK(distrpc::get_worker_info(wname(2)).id == 2);
   CHECK(distrpc::rpc_sync<&incarnation>(wname(2)) == 2);
   CHECK(distrpc::rpc_sync<&incarnation>(2) == 2);
+  if (kept) {
+    // A value the dead incarnation owned is not asked of the replacement (which never held it:
+    // the fetch once waited there for its creation until the call's 60 s timeout): it fails at
+    // once, naming the owner, as before the replacement.
+    const auto t0 = Clock::now();
+    const std::string text = error_of([&] { (void)kept->to_here(); });
+    CHECK_MESSAGE(contains(text, "its owner WorkerInfo(id=2, name=worker2) was lost"), text);
+    CHECK(Clock::now() - t0 < 2s);
+    kept.reset();
+  }
   {
     auto fresh = distrpc::remote<&make_value>(wname(2), 11);
     CHECK(fresh.to_here() == 11);
@@ -538,7 +551,12 @@ DISTRPC_MP_TARGET("elastic target: freeze and replace") {
                          "replaced by WorkerInfo(id=1, name=worker1)"),
                 text);
   CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 2);
+  // The frozen process dies now: its connections break, and that loss is the old incarnation's,
+  // not the replacement's, which stays a member and answers.
   ::kill(frozen, SIGKILL);
+  std::this_thread::sleep_for(500ms);
+  CHECK((member_names() == std::set<std::string>{wname(0), wname(1)}));
+  CHECK(distrpc::rpc_sync<&incarnation>(wname(1)) == 2);
   ctx.publish("done0", "1");
   CHECK_NOTHROW(distrpc::shutdown());
 }

@@ -341,7 +341,8 @@ class RpcAgent : public AgentServices,
     auto owned = weak_from_this().lock();
     const milliseconds grace = timeout.count() > 0 ? timeout : options_.shutdown_grace;
     const auto deadline = owned ? Clock::now() + grace : Clock::time_point::max();
-    // No request starts from now on (without sync_exit, queued ones are dropped); offers from the
+    // No user request starts from now on (without sync_exit, queued ones are dropped; the
+    // library's own calls still run on the callback pool until it stops); offers from the
     // transport meet a refusal and drop theirs too.
     request_pool_.close(/*drop_queued=*/!sync_exit);
     // Pending calls fail before the transport stops too: a request running on a reading thread
@@ -597,7 +598,8 @@ class RpcAgent : public AgentServices,
       handle_request(peer, std::move(msg));
     };
     if (internal) {
-      callback_pool_.post(std::move(task));  // runs during shutdown too (its exit barrier)
+      // Also while stop() runs: its exit barrier is made of such calls.
+      callback_pool_.post(std::move(task));
       return;
     }
     // Leader/follower: the reading thread may run it itself once another thread took over the
@@ -959,6 +961,12 @@ class RpcAgent : public AgentServices,
                        ": expose it there (DISTRPC_EXPOSE(stub, &impl) for a DISTRPC_REMOTE "
                        "declaration, DISTRPC_REGISTER(f) for a function called as rpc_sync<&f>) "
                        "or build both sides from the same source");
+      }
+      // Only the library's own functions run as its internal calls (off the request pool,
+      // outside the shutdown join's count): a peer cannot move user work there.
+      if (h.internal && !entry->library) {
+        throw RpcError("function '" + h.name + "' on " + self().str() +
+                       " was called as one of the library's own calls, which it is not");
       }
       if (options_.serve_exposed_only && !entry->exposed && !entry->library) {
         throw RpcError("function '" + h.name + "' is not exposed on " + self().str() +

@@ -156,6 +156,7 @@ class RRef {
       });
     }
     std::lock_guard<std::mutex> lk(i.mu);
+    if (!i.type_future && i.owner_lost) return make_exceptional_future<std::string>(i.owner_lost);
     if (!i.type_future) {
       auto ctx = i.ctx.lock();
       if (!ctx) throw RpcError(i.deleted_text("Cannot query its type after deletion."));

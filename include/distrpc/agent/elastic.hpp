@@ -197,7 +197,7 @@ class ElasticProtocol {
       agent_->fail_calls(pending_before[c.id], c, reason);
       // Its connection never broke here, so nothing released what it held: the RRef forks of
       // the old incarnation go now, as a lost worker's do, before the new one can hold any (this
-      // runs on a request thread: values may be destroyed here).
+      // runs on a callback-pool thread, never a reading one: values may be destroyed here).
       for (const auto& x : agent_->extensions_) x->on_peer_lost(c.id);
     }
     if (!m.admit(w, seq)) return {kLeaving, std::string()};

@@ -200,6 +200,9 @@ struct RRefImpl {
   std::atomic<bool> skip_delete{false};  // user: the owner never recorded this fork, or is gone
   mutable std::mutex mu;
   std::exception_ptr creation_error;  // user: remote() failed to reach the owner in time
+  // User: the owner's process was lost. Every later use fails with this, also once a replacement
+  // process joined under the owner's rank and name (it never held the value).
+  std::exception_ptr owner_lost;
   // User: fetches sent before the owner confirmed the creation, failed with it if it fails
   // (the owner may then never have run the call).
   std::vector<Future<wire::Message>> early_fetches;
@@ -468,6 +471,10 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
                        impl->owner.str() +
                        " failed: " + detail::exception_text(impl->creation_error));
       }
+      if (impl->owner_lost) {
+        throw DistNetworkError("cannot share " + impl->str() + ": " +
+                               detail::exception_text(impl->owner_lost));
+      }
     }
     detail::RRefForkData data{impl->owner.id, impl->id, detail::next_guid(self().id), self().id,
                               impl->type_hash};
@@ -702,6 +709,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // (host_decode_reply).
   Future<wire::Message> fetch(const ImplPtr& impl, std::chrono::milliseconds timeout,
                               CallAttachments* sent = nullptr) {
+    if (auto lost = lost_owner_error(*impl)) return make_exceptional_future<wire::Message>(lost);
     auto pass = gate_->enter();
     if (!pass) {
       return make_exceptional_future<wire::Message>(std::make_exception_ptr(
@@ -741,6 +749,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     return out;
   }
 
+  // Called with impl->mu held (the caller keeps the answer in impl->type_future).
   Future<std::string> type_query(const ImplPtr& impl, std::chrono::milliseconds timeout) {
     Future<wire::Message> reply;
     {
@@ -815,6 +824,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // ---- lifecycle -------------------------------------------------------------------------------
 
   void on_peer_lost(int peer) {
+    std::vector<ImplPtr> orphaned;  // user RRefs owned by the lost worker
     std::vector<CellPtr> drop_cells;
     std::vector<ImplPtr> drop_children;
     std::size_t dropped_deletes = 0;
@@ -853,7 +863,10 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
         }
       }
       for (auto& [fork, weak] : users_) {
-        if (auto u = weak.lock(); u && u->owner.id == peer) u->skip_delete = true;
+        if (auto u = weak.lock(); u && u->owner.id == peer) {
+          u->skip_delete = true;
+          orphaned.push_back(std::move(u));
+        }
       }
       // Deletes still queued for a lost owner can never be answered: they are dropped.
       if (auto q = delete_queue_.find(peer); q != delete_queue_.end()) {
@@ -863,6 +876,14 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
       }
     }
     if (dropped_deletes > 0) protocol_steps_done(dropped_deletes);
+    for (const auto& u : orphaned) {
+      std::lock_guard<std::mutex> lk(u->mu);
+      if (!u->owner_lost) {
+        u->owner_lost = std::make_exception_ptr(
+            DistNetworkError(u->str() + " can no longer be used: its owner " + u->owner.str() +
+                             " was lost (a process that joins in its place does not hold it)"));
+      }
+    }
     // Values and parents are released here, outside the lock.
   }
 
@@ -1056,6 +1077,12 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
       drop = erase_unforked_locked(id);
     }
     drop.reset();  // the value may be destroyed here, outside the lock
+  }
+
+  // A user RRef whose owner's process was lost: what every use fails with (null otherwise).
+  static std::exception_ptr lost_owner_error(const detail::RRefImpl& impl) {
+    std::lock_guard<std::mutex> lk(impl.mu);
+    return impl.owner_lost;
   }
 
   void release_child(const ForkId& fork) {
