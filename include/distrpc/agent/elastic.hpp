@@ -180,26 +180,33 @@ class ElasticProtocol {
     auto& m = agent_->members_;
     const WorkerInfo me = agent_->self();
     if (!m.dynamic()) return {kRefused, Membership::kMixedText};
-    // The calls out to the members the joiner would replace, before the transport routes that
-    // rank to the joiner: a call made from then on may reach the joiner, and must not be failed.
-    std::map<int, std::vector<std::pair<std::uint64_t, std::string>>> pending_before;
-    for (const auto& c : m.conflicts(w)) pending_before[c.id] = agent_->calls_.calls_to(c.id);
-    // The answer goes back through the transport, which must know the joiner first.
-    if (w.id != me.id) agent_->transport_add_peer(w.id, w.name, address);
-    if (w.id == me.id || w.name == me.name) return {kRefused, not_unique(w, me)};
+    // A refusal goes back through the transport, which must know the joiner. Not under a live
+    // member's rank: routing that rank to the joiner would cut the live member off (the joiner
+    // then gets no answer here, and its join fails at init_timeout).
+    const auto refuse = [&](const WorkerInfo& live) -> std::pair<int, std::string> {
+      if (w.id != live.id && w.id != me.id) agent_->transport_add_peer(w.id, w.name, address);
+      return {kRefused, not_unique(w, live)};
+    };
+    if (w.id == me.id || w.name == me.name) return refuse(me);
+    // Each member the joiner would replace is checked, and let go, while the transport still
+    // routes its rank to it: the liveness check reaches that process (not the joiner), and
+    // what the layers drop for it (RRefs it owned, contexts it made) cannot include anything
+    // made with the joiner under that rank.
     for (const auto& c : m.conflicts(w)) {
-      if (m.is_lost(c.id)) continue;
-      if (answers(c)) return {kRefused, not_unique(w, c)};
+      if (m.is_lost(c.id)) continue;  // the layers heard of it when it was lost
+      if (answers(c)) return refuse(c);
       // Its calls still pending fail now, as a lost worker's do (its connection may never
-      // break: the transport now knows its rank at the replacement's address).
+      // break: the transport is about to know its rank at the replacement's address).
       const std::string reason = "it no longer answers; replaced by " + w.str();
+      const auto pending = agent_->calls_.calls_to(c.id);
       m.mark_lost(c.id, reason);
-      agent_->fail_calls(pending_before[c.id], c, reason);
-      // Its connection never broke here, so nothing released what it held: the RRef forks of
-      // the old incarnation go now, as a lost worker's do, before the new one can hold any (this
-      // runs on a callback-pool thread, never a reading one: values may be destroyed here).
+      agent_->fail_calls(pending, c, reason);
+      // Nothing released what it held either: the RRefs it owned and the contexts it made go
+      // now, as a lost worker's do, before the new one can hold any (this runs on a
+      // callback-pool thread, never a reading one: values may be destroyed here).
       for (const auto& x : agent_->extensions_) x->on_peer_lost(c.id);
     }
+    agent_->transport_add_peer(w.id, w.name, address);
     if (!m.admit(w, seq)) return {kLeaving, std::string()};
     for (const auto& x : agent_->extensions_) x->on_peer_joined(w.id);
     return {kAdmitted, std::string()};

@@ -825,6 +825,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
 
   void on_peer_lost(int peer) {
     std::vector<ImplPtr> orphaned;  // user RRefs owned by the lost worker
+    std::vector<ImplPtr> others;    // the other user RRefs, released (if last) past the lock
     std::vector<CellPtr> drop_cells;
     std::vector<ImplPtr> drop_children;
     std::size_t dropped_deletes = 0;
@@ -863,9 +864,15 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
         }
       }
       for (auto& [fork, weak] : users_) {
-        if (auto u = weak.lock(); u && u->owner.id == peer) {
+        auto u = weak.lock();
+        if (!u) continue;
+        // Kept past the lock whatever its owner: a user thread may drop its last handle now,
+        // and the RRef's release (which takes mu_) must not run here.
+        if (u->owner.id == peer) {
           u->skip_delete = true;
           orphaned.push_back(std::move(u));
+        } else {
+          others.push_back(std::move(u));
         }
       }
       // Deletes still queued for a lost owner can never be answered: they are dropped.
