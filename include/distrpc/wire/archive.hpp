@@ -183,22 +183,14 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   std::size_t position() const noexcept { return static_cast<std::size_t>(cur_ - begin_); }
 
   void read_bytes(void* out, std::size_t size) {
-    if (size > remaining()) {
-      detail::decode_fail("truncated: " + std::to_string(size) + " bytes needed at offset " +
-                          std::to_string(position()) + ", " + std::to_string(remaining()) +
-                          " left in a payload of " + std::to_string(end_ - begin_) + " bytes");
-    }
+    require(size, "needed");
     if (size != 0) std::memcpy(out, cur_, size);
     cur_ += size;
   }
 
   // Moves past `size` bytes (bounds-checked like read_bytes).
   void skip(std::size_t size) {
-    if (size > remaining()) {
-      detail::decode_fail("truncated: " + std::to_string(size) + " bytes to skip at offset " +
-                          std::to_string(position()) + ", " + std::to_string(remaining()) +
-                          " left in a payload of " + std::to_string(end_ - begin_) + " bytes");
-    }
+    require(size, "to skip");
     cur_ += size;
   }
 
@@ -277,6 +269,15 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   }
 
  private:
+  // Fails unless `size` bytes are left ("truncated: N bytes <what> at offset ...").
+  void require(std::size_t size, const char* what) const {
+    if (size > remaining()) {
+      detail::decode_fail("truncated: " + std::to_string(size) + " bytes " + what + " at offset " +
+                          std::to_string(position()) + ", " + std::to_string(remaining()) +
+                          " left in a payload of " + std::to_string(end_ - begin_) + " bytes");
+    }
+  }
+
   const char* begin_;
   const char* cur_;
   const char* end_;
