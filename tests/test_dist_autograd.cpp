@@ -515,6 +515,44 @@ DISTRPC_MP_TEST("dist autograd: a context released while a call in it still runs
   distrpc::shutdown();
 }
 
+// A release waiting for its batch (up to 5 ms) is work under way for the agent: a graceful
+// shutdown's join, or a leaving member's wait, does not end before it went out (a member that
+// left with a release unsent, its own or one it forwards, leaked that context on the workers that
+// stay).
+DISTRPC_MP_TEST("dist autograd: a release waiting for its batch counts as the agent's work", 2,
+                60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    const auto pending_steps = [] {
+      return std::stoll(distrpc::get_debug_info().at("num_pending_protocol_steps"));
+    };
+    CHECK(pending_steps() == 0);
+    // Read right after the scope's end, before the batch goes: a thread preempted for 5 ms
+    // misses it, so it is tried up to 20 times. The call's own reply counts until its callbacks
+    // ran: that is waited out first.
+    int seen = 0;
+    for (int i = 0; i < 20 && seen == 0; ++i) {
+      {
+        da::Context c;
+        (void)distrpc::rpc_sync<&ag_test::slow_double>("worker1",
+                                                       torch::ones({2}, torch::requires_grad()));
+        const auto t0 = Clock::now();
+        while (pending_steps() != 0 && ms_since(t0) < 5000) std::this_thread::yield();
+      }
+      if (pending_steps() >= 1) ++seen;
+    }
+    CHECK(seen == 1);
+    const auto t0 = Clock::now();
+    while (pending_steps() != 0 && ms_since(t0) < 5000) std::this_thread::sleep_for(5ms);
+    CHECK(pending_steps() == 0);
+    while (distrpc::rpc_sync<&ag_test::num_contexts>("worker1") != "0" && ms_since(t0) < 5000) {
+      std::this_thread::sleep_for(20ms);
+    }
+    CHECK(distrpc::rpc_sync<&ag_test::num_contexts>("worker1") == "0");
+  }
+  distrpc::shutdown();
+}
+
 // A worker that made contexts and is lost: the others release its contexts (it never will).
 DISTRPC_MP_TEST("dist autograd: the contexts a lost worker made are released on the others", 2,
                 60) {

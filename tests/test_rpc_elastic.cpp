@@ -14,14 +14,17 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <doctest/doctest.h>
 
+#include <distrpc/agent/extension.hpp>
 #include <distrpc/rpc.hpp>
 #include <distrpc/rref.hpp>
 #include <distrpc/store/file_store.hpp>
@@ -64,6 +67,45 @@ int hold(int v) {
 int make_value(int v) {
   return v;
 }
+// An RRef another worker shares with this one, kept until the test lets go of it.
+std::optional<distrpc::RRef<int>> g_shared;
+bool keep_shared(distrpc::RRef<int> r) {
+  g_shared = std::move(r);
+  return true;
+}
+
+// A layer whose handling of a lost peer takes 2.5 s, in the process that sets g_slow_loss only
+// (the other agents of this binary make it too, and it does nothing there): it records whether a
+// peer joined while that handling still ran.
+std::atomic<bool> g_slow_loss{false};
+std::atomic<bool> g_loss_started{false};
+std::atomic<bool> g_loss_ended{false};
+std::atomic<bool> g_joined_during_loss{false};
+class SlowLossLayer : public distrpc::AgentExtension {
+ public:
+  static constexpr int kId = distrpc::AgentExtension::kMaxExtensions - 1;
+  int id() const override { return kId; }
+  distrpc::Future<distrpc::wire::Message> handle_control(int, int,
+                                                         const distrpc::wire::Message&) override {
+    throw std::runtime_error("the test layer has no control messages");
+  }
+  std::string control_name(int) const override { return "none"; }
+  void on_peer_lost(int) override {
+    if (!g_slow_loss.load()) return;
+    g_loss_started = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    g_loss_ended = true;
+  }
+  void on_peer_joined(int) override {
+    if (g_slow_loss.load() && g_loss_started.load() && !g_loss_ended.load()) {
+      g_joined_during_loss = true;
+    }
+  }
+};
+const bool slow_loss_registered = distrpc::register_agent_extension(
+    SlowLossLayer::kId, [](distrpc::AgentServices&) -> std::shared_ptr<distrpc::AgentExtension> {
+      return std::make_shared<SlowLossLayer>();
+    });
 
 void join(const RankContext& ctx, const std::string& name, int rank,
           const std::string& tag = "elastic") {
@@ -368,9 +410,11 @@ DISTRPC_MP_TEST("elastic: a joiner that died before publishing holds up one join
 
 // ---- a worker killed, then replaced ------------------------------------------------------------
 
-// Ranks 0..2 join as worker0..2; worker1 creates an RRef owned by worker2; worker2 dies by
-// SIGKILL; worker0's calls and worker1's to_here() fail naming it; process 3 joins as worker2
-// (rank 2) and both reach it.
+// Ranks 0..2 join as worker0..2; worker1 creates an RRef owned by worker2; worker2 creates one
+// owned by worker0 and shares it with worker1, then dies by SIGKILL; worker0's calls and worker1's
+// to_here() fail naming it; process 3 joins as worker2 (rank 2) and both reach it; its own RRef
+// on worker0 and the one its predecessor shared are two RRefs, each with its value. Worker0 is
+// admitting the replacement while a layer there still handles the loss: the admission waits.
 DISTRPC_MP_TARGET("elastic target: kill and replace") {
   using Clock = std::chrono::steady_clock;
   if (ctx.rank == 3) {
@@ -381,6 +425,12 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     CHECK((member_names() == std::set<std::string>{wname(0), wname(1), wname(2)}));
     CHECK(distrpc::rpc_sync<&plus>(wname(0), 2, 0) == 2);
     CHECK(distrpc::rpc_sync<&plus>(wname(1), 2, 1) == 3);
+    {
+      // The dead incarnation's first RRef lives on at worker0 (worker1 holds it); this one, made
+      // the same way, is another RRef: its id is not the dead one's, so it gets its own value.
+      auto again = distrpc::remote<&make_value>(wname(0), 30);
+      CHECK(again.to_here() == 30);
+    }
     ctx.publish("replaced", "1");
     meet(ctx, "done", {0, 1, 3});
     // The others' RRefs to values owned here are dropped; their deletes may still be in flight,
@@ -394,6 +444,7 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     return;
   }
   if (ctx.rank > 0) (void)ctx.lookup("joined" + std::to_string(ctx.rank - 1), 60s);
+  if (ctx.rank == 0) g_slow_loss = true;
   join(ctx, wname(ctx.rank), ctx.rank);
   ctx.publish("joined" + std::to_string(ctx.rank), "1");
   (void)ctx.lookup("joined2", 60s);
@@ -406,6 +457,10 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     (void)ctx.lookup("called0", 60s);
     (void)ctx.lookup("called1", 60s);
     (void)ctx.lookup("rref_made", 60s);
+    // This process's first RRef, owned by worker0 and shared with worker1, outlives it there.
+    auto first = distrpc::remote<&make_value>(wname(0), 20);
+    CHECK(first.to_here() == 20);
+    CHECK(distrpc::rpc_sync<&keep_shared>(wname(1), first));
     ctx.publish("killed2", "now");
     ::kill(::getpid(), SIGKILL);
     std::this_thread::sleep_for(60s);  // never reached
@@ -428,6 +483,12 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     if (dead_text.empty()) std::this_thread::sleep_for(20ms);
   }
   CHECK_MESSAGE(contains(dead_text, "worker2"), dead_text);
+  if (ctx.rank == 0) {
+    // The replacement asks to join while a layer here still handles the loss (2.5 s).
+    const auto t1 = Clock::now();
+    while (!g_loss_started.load() && Clock::now() - t1 < 10s) std::this_thread::sleep_for(1ms);
+    CHECK(g_loss_started.load());
+  }
   if (rref) {
     // An RRef owned by the dead worker fails cleanly (the test's time limit catches a hang).
     const std::string rref_text = error_of([&] { (void)rref->to_here(); });
@@ -441,6 +502,18 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
   CHECK(distrpc::get_worker_info(wname(2)).id == 2);
   CHECK(distrpc::rpc_sync<&incarnation>(wname(2)) == 2);
   CHECK(distrpc::rpc_sync<&incarnation>(2) == 2);
+  if (ctx.rank == 0) {
+    // Admitted once every layer here was done with its predecessor's loss, not during it.
+    CHECK(g_loss_ended.load());
+    CHECK_FALSE(g_joined_during_loss.load());
+  }
+  if (ctx.rank == 1) {
+    // The RRef the dead incarnation shared is owned by worker0, which is alive: it keeps its
+    // value, whatever its maker's replacement made since.
+    REQUIRE(g_shared.has_value());
+    CHECK(g_shared->to_here() == 20);
+    g_shared.reset();
+  }
   if (kept) {
     // A value the dead incarnation owned is not asked of the replacement (which never held it:
     // the fetch once waited there for its creation until the call's 60 s timeout): it fails at

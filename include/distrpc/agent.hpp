@@ -192,6 +192,7 @@ class RpcAgent : public AgentServices,
     out["num_active_client_calls"] = std::to_string(c.client_sent - c.client_done);
     out["num_client_calls"] = std::to_string(c.client_sent);
     out["num_active_server_calls"] = std::to_string(c.server_active);
+    out["num_pending_protocol_steps"] = std::to_string(c.protocol_pending);
     out["callback_pool_size"] = std::to_string(callback_pool_.size());
     for (const auto& x : extensions_) x->add_debug_info(out);
     return out;
@@ -432,11 +433,48 @@ class RpcAgent : public AgentServices,
   void on_peer_lost(int peer, const std::string& reason) {
     const WorkerInfo who = members_.describe(peer);
     const auto lost = calls_.calls_to(peer);
+    // Counted before the peer shows as lost: a joiner that replaces it waits for these.
+    {
+      std::lock_guard<std::mutex> lk(loss_notices_mu_);
+      loss_notices_[peer] += static_cast<int>(extensions_.size());
+    }
     members_.mark_lost(peer, reason);
     fail_calls(lost, who, "connection lost (" + reason + ")");
     // Forks the lost peer held are released; values may be destroyed, so not on this thread.
     for (const auto& x : extensions_) {
-      callback_pool_.post([x, peer] { x->on_peer_lost(peer); });
+      const bool posted = callback_pool_.post([this, x, peer] {
+        try {
+          x->on_peer_lost(peer);
+        } catch (const std::exception& e) {
+          detail::log_error(self().name,
+                            std::string("a layer's handling of a lost peer: ") + e.what());
+        }
+        loss_notice_done(peer);
+      });
+      if (!posted) loss_notice_done(peer);  // stopping: it never runs
+    }
+  }
+
+  void loss_notice_done(int peer) {
+    std::lock_guard<std::mutex> lk(loss_notices_mu_);
+    if (--loss_notices_[peer] == 0) {
+      loss_notices_.erase(peer);
+      loss_notices_cv_.notify_all();
+    }
+  }
+
+  // Until the layers have handled every loss of worker `peer` reported so far (or `limit`
+  // passed): a joiner taking its rank is admitted after them, so no layer mistakes what the
+  // joiner holds for what the lost process held. The notices were queued on the callback pool
+  // before the loss showed (on_peer_lost), so they are running or done when this runs there.
+  void wait_loss_notices(int peer, milliseconds limit) {
+    std::unique_lock<std::mutex> lk(loss_notices_mu_);
+    if (!loss_notices_cv_.wait_for(lk, limit, [&] { return loss_notices_.count(peer) == 0; })) {
+      lk.unlock();
+      detail::log_warning(self().name, "the layers' handling of the loss of worker " +
+                                           std::to_string(peer) + " did not end within " +
+                                           std::to_string(limit.count()) +
+                                           " ms; a process joining under its rank is admitted");
     }
   }
 
@@ -468,6 +506,7 @@ class RpcAgent : public AgentServices,
   // ---- AgentServices (what the layers plugged in use) ------------------------------------------
   std::shared_ptr<detail::HostGate> host_gate() const override { return gate_; }
   const WorkerInfo& host_self() const override { return self(); }
+  std::int64_t host_incarnation() const override { return members_.incarnation(); }
   WorkerInfo host_worker(int id) const override { return worker(id); }
   milliseconds host_timeout(milliseconds requested) const override {
     return effective_timeout(requested);
@@ -1132,6 +1171,11 @@ class RpcAgent : public AgentServices,
   detail::DeviceRoutes device_routes_;
   std::atomic<milliseconds> default_timeout_;
   const std::shared_ptr<const Registry> registry_;
+
+  // Loss notices queued for the layers and not yet handled, per peer (on_peer_lost).
+  std::mutex loss_notices_mu_;
+  std::condition_variable loss_notices_cv_;
+  std::map<int, int> loss_notices_;
 
   // Requests that arrived before the worker table was read (hold_or_dispatch).
   std::mutex early_mu_;

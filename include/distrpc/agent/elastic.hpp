@@ -53,6 +53,8 @@ class ElasticProtocol {
   static constexpr int kAdmitted = 0;
   static constexpr int kLeaving = 1;  // the member is leaving: the joiner leaves it out
   static constexpr int kRefused = 2;  // the join fails with the text given
+  // How long an admission waits for the layers to finish with the loss of the member it replaces.
+  static constexpr milliseconds kLossNoticeLimit{10000};
 
   explicit ElasticProtocol(std::shared_ptr<RpcAgent> agent) : agent_(std::move(agent)) {}
 
@@ -193,7 +195,11 @@ class ElasticProtocol {
     // what the layers drop for it (RRefs it owned, contexts it made) cannot include anything
     // made with the joiner under that rank.
     for (const auto& c : m.conflicts(w)) {
-      if (m.is_lost(c.id)) continue;  // the layers heard of it when it was lost
+      if (m.is_lost(c.id)) {
+        // The layers were told when it was lost; that may still run on another thread.
+        agent_->wait_loss_notices(c.id, kLossNoticeLimit);
+        continue;
+      }
       if (answers(c)) return refuse(c);
       // Its calls still pending fail now, as a lost worker's do (its connection may never
       // break: the transport is about to know its rank at the replacement's address).

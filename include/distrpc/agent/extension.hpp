@@ -42,6 +42,11 @@ class AgentServices {
   virtual const WorkerInfo& host_self() const = 0;
   virtual WorkerInfo host_worker(int id) const = 0;
   virtual std::chrono::milliseconds host_timeout(std::chrono::milliseconds requested) const = 0;
+  // 0 when this process is the first to hold its rank in its group (every member of a static
+  // group); otherwise a number no earlier holder of the rank had (its join number in a dynamic
+  // group). Ids a layer makes, and which other workers may still hold from an earlier process
+  // under this rank, stay unique when they are made from it.
+  virtual std::int64_t host_incarnation() const = 0;
   // A control message of the layer's own kind to worker `to`, counted in the graceful-shutdown
   // join like a user call; the reply (or the failure) arrives through the future.
   virtual Future<wire::Message> host_control_call(int to, wire::MessageType kind, wire::Message&& m,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -266,16 +267,20 @@ class Membership {
       }
     }
     std::vector<DynamicEntry> view;
+    bool rank_held_before = false;
     for (std::int64_t i = 1; i < seq; ++i) {
-      if (st.check({key("dyn/left/" + std::to_string(i))})) continue;
       const std::string v = st.get_string(keys[static_cast<std::size_t>(i - 1)]);
       if (v == kAbandoned) continue;
       DynamicEntry e = parse_entry(i, v);
+      // Left or not: ids that process made may still be held by the members.
+      if (e.info.id == self_.id) rank_held_before = true;
+      if (st.check({key("dyn/left/" + std::to_string(i))})) continue;
       std::erase_if(view, [&](const DynamicEntry& o) {
         return o.info.id == e.info.id || o.info.name == e.info.name;
       });
       view.push_back(std::move(e));
     }
+    incarnation_.store(rank_held_before ? seq : 0, std::memory_order_release);
     DynamicView out;
     for (auto& e : view) {
       const bool mine = e.info.id == self_.id || e.info.name == self_.name;
@@ -293,6 +298,10 @@ class Membership {
     return out;
   }
   std::int64_t own_seq() const { return own_seq_; }
+  // 0 when no earlier process held this worker's rank in its group (every member of a static
+  // group); otherwise this member's join number, which no earlier holder of the rank had. Set by
+  // the join, before any request or call of this worker.
+  std::int64_t incarnation() const { return incarnation_.load(std::memory_order_acquire); }
   // The join number of member `id` (0: unknown).
   std::int64_t seq_of(int id) const {
     std::lock_guard<std::mutex> lk(mu_);
@@ -454,6 +463,7 @@ class Membership {
   // whether this worker is leaving.
   std::map<int, std::int64_t> seqs_;
   std::int64_t own_seq_ = 0;
+  std::atomic<std::int64_t> incarnation_{0};
   std::map<int, std::string> departed_;
   std::set<std::string> departed_names_;
   bool leaving_ = false;

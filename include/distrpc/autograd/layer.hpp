@@ -803,8 +803,12 @@ class AutogradLayer final : public AgentExtension,
 
   // Releases go out in batches, one message per worker every kCleanupBatchDelay at most: a
   // training loop releases a context per step, and one message per context and worker would cost
-  // each step a send and a reply on both sides.
+  // each step a send and a reply on both sides. A batch waiting to go out counts as one protocol
+  // step of the agent, so a graceful shutdown's join (or a leaver's wait) does not end while a
+  // release, this worker's own or one it forwards for another, has not left.
   void send_cleanup(std::int64_t id, const std::set<int>& workers, int except) {
+    auto pass = gate_->enter();
+    if (!pass) return;  // the agent is gone: so is every context it could release
     bool schedule = false;
     {
       std::lock_guard<std::mutex> lk(cleanup_mu_);
@@ -814,28 +818,36 @@ class AutogradLayer final : public AgentExtension,
       if (!pending_cleanup_.empty() && !flush_scheduled_) {
         flush_scheduled_ = true;
         schedule = true;
+        pass->host_protocol_begin(1);
       }
     }
     if (!schedule) return;
     std::weak_ptr<AutogradLayer> weak = weak_from_this();
-    auto pass = gate_->enter();
-    if (!pass || !pass->host_after(kCleanupBatchDelay, [weak] {
+    if (!pass->host_after(kCleanupBatchDelay, [weak] {
           if (auto s = weak.lock()) s->flush_cleanup();
         })) {
-      std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
-      pending_cleanup_.clear();
-      flush_scheduled_ = false;
+      {
+        std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
+        pending_cleanup_.clear();
+        flush_scheduled_ = false;
+      }
+      pass->host_protocol_end(1);
     }
   }
 
   void flush_cleanup() {
     std::map<int, std::vector<std::int64_t>> batch;
+    bool scheduled = false;
     {
       std::lock_guard<std::mutex> lk(cleanup_mu_);
       batch.swap(pending_cleanup_);
-      flush_scheduled_ = false;
+      scheduled = std::exchange(flush_scheduled_, false);
     }
     for (auto& [worker, ids] : batch) send_cleanup_to(worker, std::move(ids));
+    // Ended once the batch's calls are counted themselves (or failed to start).
+    if (scheduled) {
+      if (auto pass = gate_->enter()) pass->host_protocol_end(1);
+    }
   }
 
   // A batch of releases to `worker`, resent on a send failure (kCleanupAttempts in all,

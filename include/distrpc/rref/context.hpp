@@ -250,6 +250,14 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
 
   const WorkerInfo& self() const { return gate_->self(); }
 
+  // A new RRef or fork id of this worker (rref/id.hpp: unique across the processes that held
+  // its rank).
+  GloballyUniqueId next_id() const {
+    std::int64_t incarnation = 0;
+    if (auto pass = gate_->enter()) incarnation = pass->host_incarnation();
+    return detail::next_guid(self().id, incarnation);
+  }
+
   // The timeout a call made now uses (the agent's effective_timeout()); once the agent is gone,
   // `requested` itself, the unset one meaning no limit.
   std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const {
@@ -363,7 +371,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // RRef(value): an owner RRef that enters owners_ only when it is first shared.
   ImplPtr make_local_owner(std::shared_ptr<void> value, const detail::ValueOps* ops) {
     auto impl = std::make_shared<Impl>();
-    impl->id = detail::next_guid(self().id);
+    impl->id = next_id();
     impl->fork_id = impl->id;
     impl->owner = self();
     impl->is_owner = true;
@@ -379,7 +387,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // remote() to this very worker: the cell is registered now so the request finds it.
   ImplPtr begin_remote_self(std::uint64_t type_hash) {
     auto impl = std::make_shared<Impl>();
-    impl->id = detail::next_guid(self().id);
+    impl->id = next_id();
     impl->fork_id = impl->id;
     impl->owner = self();
     impl->is_owner = true;
@@ -397,8 +405,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // remote() to `owner`: a user RRef, pending until the owner acknowledges the creation.
   ImplPtr begin_remote_user(const WorkerInfo& owner, std::uint64_t type_hash) {
     auto impl = std::make_shared<Impl>();
-    impl->id = detail::next_guid(self().id);
-    impl->fork_id = detail::next_guid(self().id);
+    impl->id = next_id();
+    impl->fork_id = next_id();
     impl->owner = owner;
     impl->type_hash = type_hash;
     impl->ctx = weak_from_this();
@@ -476,8 +484,7 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
                                detail::exception_text(impl->owner_lost));
       }
     }
-    detail::RRefForkData data{impl->owner.id, impl->id, detail::next_guid(self().id), self().id,
-                              impl->type_hash};
+    detail::RRefForkData data{impl->owner.id, impl->id, next_id(), self().id, impl->type_hash};
     auto weak = weak_from_this();
     const RRefId id = impl->id;
     const ForkId fork = data.fork_id;

@@ -3,6 +3,9 @@
 // (created_on, local_id): the rank of the worker that made the id and a number from one counter
 // per process, starting at 0 and shared by RRef ids and fork ids, as in PyTorch. A local RRef(x)
 // takes one id; remote() takes two (the RRef id, then the fork id of the caller's user RRef).
+// A worker whose rank an earlier process held in its group (a replacement in a dynamic group)
+// adds its incarnation times 2^40 to the counter: the other workers may still hold ids that
+// process made (RRefs it created on them and shared), and a repeated id would find its value.
 #pragma once
 
 #include <atomic>
@@ -43,8 +46,12 @@ inline std::atomic<std::int64_t>& rref_local_id_counter() {
   return next;
 }
 
-inline GloballyUniqueId next_guid(int self_rank) {
-  return GloballyUniqueId{self_rank, rref_local_id_counter().fetch_add(1)};
+inline constexpr int kIncarnationShift = 40;
+
+// `incarnation`: AgentServices::host_incarnation() of the agent making the id.
+inline GloballyUniqueId next_guid(int self_rank, std::int64_t incarnation = 0) {
+  return GloballyUniqueId{
+      self_rank, (incarnation << kIncarnationShift) + rref_local_id_counter().fetch_add(1)};
 }
 
 }  // namespace detail

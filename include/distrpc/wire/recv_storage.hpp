@@ -56,10 +56,11 @@ class RecvStorage final : public c10::Allocator {
   // MiB in range. The transports call it when they start, so a bad value fails there rather
   // than on a reading thread at the first large message.
   static std::size_t limit_from_env() {
-    return static_cast<std::size_t>(
-               net::whole_number_from_env("DISTRPC_RECV_CACHE_MB", 128, kMaxCacheMiB, "MiB"))
+    return static_cast<std::size_t>(net::whole_number_from_env(
+               "DISTRPC_RECV_CACHE_MB", kDefaultCacheMiB, kMaxCacheMiB, "MiB"))
            << 20;
   }
+  static constexpr unsigned long long kDefaultCacheMiB = 128;
   static constexpr unsigned long long kMaxCacheMiB = 1ull << 20;  // 1 TiB
 
  private:
@@ -70,7 +71,7 @@ class RecvStorage final : public c10::Allocator {
     try {
       return limit_from_env();
     } catch (const std::invalid_argument&) {
-      return std::size_t{128} << 20;
+      return static_cast<std::size_t>(kDefaultCacheMiB) << 20;
     }
   }
 
