@@ -529,6 +529,15 @@ DISTRPC_MP_TARGET("elastic target: kill and replace") {
     CHECK(fresh.to_here() == 11);
   }
   meet(ctx, "done", {0, 1, 3});
+  if (ctx.rank == 0) {
+    // Worker0 owned the RRef shared with worker1 and the replacement's: their deletes may still
+    // be on their way, and a leaving worker's leak check does not wait for other workers.
+    const auto t1 = Clock::now();
+    while (distrpc::get_debug_info().at("num_owner_rrefs") != "0" && Clock::now() - t1 < 10s) {
+      std::this_thread::sleep_for(10ms);
+    }
+    CHECK(distrpc::get_debug_info().at("num_owner_rrefs") == "0");
+  }
   CHECK_NOTHROW(distrpc::shutdown());
 }
 

@@ -443,13 +443,20 @@ class RpcAgent : public AgentServices,
     // Forks the lost peer held are released; values may be destroyed, so not on this thread.
     for (const auto& x : extensions_) {
       const bool posted = callback_pool_.post([this, x, peer] {
+        struct Done {  // counted down however the layer's handler ends
+          RpcAgent* agent;
+          int peer;
+          ~Done() { agent->loss_notice_done(peer); }
+        } done{this, peer};
+        const std::string what =
+            "a layer's handling of the loss of worker " + std::to_string(peer) + " failed: ";
         try {
           x->on_peer_lost(peer);
         } catch (const std::exception& e) {
-          detail::log_error(self().name,
-                            std::string("a layer's handling of a lost peer: ") + e.what());
+          detail::log_error(self().name, what + e.what());
+        } catch (...) {
+          detail::log_error(self().name, what + "an exception not derived from std::exception");
         }
-        loss_notice_done(peer);
       });
       if (!posted) loss_notice_done(peer);  // stopping: it never runs
     }
@@ -464,18 +471,20 @@ class RpcAgent : public AgentServices,
   }
 
   // Until the layers have handled every loss of worker `peer` reported so far (or `limit`
-  // passed): a joiner taking its rank is admitted after them, so no layer mistakes what the
-  // joiner holds for what the lost process held. The notices were queued on the callback pool
-  // before the loss showed (on_peer_lost), so they are running or done when this runs there.
-  void wait_loss_notices(int peer, milliseconds limit) {
+  // passed; false then, logged): a joiner taking its rank is admitted after them, so no layer
+  // mistakes what the joiner holds for what the lost process held. The callback pool is FIFO and
+  // grows when busy, so notices queued before this runs there are running or done, never
+  // waiting behind it.
+  bool wait_loss_notices(int peer, milliseconds limit) {
     std::unique_lock<std::mutex> lk(loss_notices_mu_);
-    if (!loss_notices_cv_.wait_for(lk, limit, [&] { return loss_notices_.count(peer) == 0; })) {
-      lk.unlock();
-      detail::log_warning(self().name, "the layers' handling of the loss of worker " +
-                                           std::to_string(peer) + " did not end within " +
-                                           std::to_string(limit.count()) +
-                                           " ms; a process joining under its rank is admitted");
+    if (loss_notices_cv_.wait_for(lk, limit, [&] { return loss_notices_.count(peer) == 0; })) {
+      return true;
     }
+    lk.unlock();
+    detail::log_warning(self().name, "the layers' handling of the loss of worker " +
+                                         std::to_string(peer) + " did not end within " +
+                                         std::to_string(limit.count()) + " ms");
+    return false;
   }
 
   virtual void transport_send(int peer, wire::Message&& m) = 0;

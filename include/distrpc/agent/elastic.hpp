@@ -19,6 +19,7 @@
 // others go on.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -53,7 +54,8 @@ class ElasticProtocol {
   static constexpr int kAdmitted = 0;
   static constexpr int kLeaving = 1;  // the member is leaving: the joiner leaves it out
   static constexpr int kRefused = 2;  // the join fails with the text given
-  // How long an admission waits for the layers to finish with the loss of the member it replaces.
+  // How long an admission waits for the layers to finish with the loss of the member it replaces
+  // (at most init_timeout).
   static constexpr milliseconds kLossNoticeLimit{10000};
 
   explicit ElasticProtocol(std::shared_ptr<RpcAgent> agent) : agent_(std::move(agent)) {}
@@ -194,12 +196,9 @@ class ElasticProtocol {
     // routes its rank to it: the liveness check reaches that process (not the joiner), and
     // what the layers drop for it (RRefs it owned, contexts it made) cannot include anything
     // made with the joiner under that rank.
-    for (const auto& c : m.conflicts(w)) {
-      if (m.is_lost(c.id)) {
-        // The layers were told when it was lost; that may still run on another thread.
-        agent_->wait_loss_notices(c.id, kLossNoticeLimit);
-        continue;
-      }
+    const auto conflicts = m.conflicts(w);
+    for (const auto& c : conflicts) {
+      if (m.is_lost(c.id)) continue;  // the layers were told when it was lost
       if (answers(c)) return refuse(c);
       // Its calls still pending fail now, as a lost worker's do (its connection may never
       // break: the transport is about to know its rank at the replacement's address).
@@ -213,6 +212,17 @@ class ElasticProtocol {
       for (const auto& x : agent_->extensions_) x->on_peer_lost(c.id);
     }
     agent_->transport_add_peer(w.id, w.name, address);
+    // The layers' handling of an old member's loss (queued when its connection broke, which may
+    // be after the check above) ends before the joiner is admitted: run later, it would drop what
+    // the joiner holds under that rank. The transport reports no loss of the old connections
+    // once it routes the rank to the joiner (above).
+    const auto limit = std::min(kLossNoticeLimit, agent_->options_.init_timeout);
+    for (const auto& c : conflicts) {
+      // The joiner gave up meanwhile (its admission timed out): it is not admitted.
+      if (!agent_->wait_loss_notices(c.id, limit) && m.left_in_store(seq)) {
+        return {kLeaving, std::string()};
+      }
+    }
     if (!m.admit(w, seq)) return {kLeaving, std::string()};
     for (const auto& x : agent_->extensions_) x->on_peer_joined(w.id);
     return {kAdmitted, std::string()};

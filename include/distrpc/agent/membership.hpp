@@ -280,6 +280,15 @@ class Membership {
       });
       view.push_back(std::move(e));
     }
+    // RRef ids add the incarnation times 2^40 to a 63-bit counter (rref/id.hpp).
+    if (rank_held_before && seq >= kMaxIncarnation) {
+      mark_left_in_store();  // later joiners skip this entry
+      throw RpcError("init_rpc: " + self_.str() +
+                     " could not join the dynamic group: its join number " + std::to_string(seq) +
+                     " reaches " + std::to_string(kMaxIncarnation) +
+                     ", the most for a rank held before (ids it makes would overflow); start the "
+                     "group on a new store");
+    }
     incarnation_.store(rank_held_before ? seq : 0, std::memory_order_release);
     DynamicView out;
     for (auto& e : view) {
@@ -298,6 +307,7 @@ class Membership {
     return out;
   }
   std::int64_t own_seq() const { return own_seq_; }
+  static constexpr std::int64_t kMaxIncarnation = std::int64_t{1} << 22;
   // 0 when no earlier process held this worker's rank in its group (every member of a static
   // group); otherwise this member's join number, which no earlier holder of the rank had. Set by
   // the join, before any request or call of this worker.

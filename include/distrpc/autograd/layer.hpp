@@ -826,12 +826,13 @@ class AutogradLayer final : public AgentExtension,
     if (!pass->host_after(kCleanupBatchDelay, [weak] {
           if (auto s = weak.lock()) s->flush_cleanup();
         })) {
+      bool ours = false;  // not when a flush already took this batch and ended its step
       {
         std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
         pending_cleanup_.clear();
-        flush_scheduled_ = false;
+        ours = std::exchange(flush_scheduled_, false);
       }
-      pass->host_protocol_end(1);
+      if (ours) pass->host_protocol_end(1);
     }
   }
 
