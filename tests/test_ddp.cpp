@@ -200,6 +200,23 @@ void comm_hooks_and_mismatch(const RankContext& ctx) {
           "DistributedDataParallel: parameter 'fc1.weight' has shape [10, 2] on rank 0 but "
           "[10, 3] on rank 1");
   }
+  {
+    // Rank 0 freezes fc1, rank 1 fc2, both [10, 10]: the buckets would hold one parameter each
+    // and average fc2's gradient with fc1's. Every rank fails construction instead.
+    struct Two : torch::nn::Module {
+      Two() {
+        fc1 = register_module("fc1", torch::nn::Linear(10, 10));
+        fc2 = register_module("fc2", torch::nn::Linear(10, 10));
+      }
+      at::Tensor forward(at::Tensor x) { return fc2(fc1(x)); }
+      torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+    };
+    auto two = std::make_shared<Two>();
+    for (auto& p : (ctx.rank == 0 ? two->fc1 : two->fc2)->parameters()) p.requires_grad_(false);
+    CHECK(what_of([&] { DistributedDataParallel d(two); }) ==
+          "DistributedDataParallel: parameter 'fc1.weight' does not require grad on rank 0 but "
+          "requires grad on rank 1 (every rank must train the same parameters)");
+  }
   auto model = std::make_shared<NetImpl>();
   DistributedDataParallel d(model, {.bucket_cap_mb = 0.001});
   d.register_comm_hook(0, [](int&, ddp::GradBucket& bucket) -> distrpc::Future<at::Tensor> {
@@ -265,6 +282,19 @@ void unused_parameters(const RankContext& ctx) {
   local->forward(x, ctx.rank == 0).sum().backward();
   check_grads(*model, averaged_grads(*local, ctx.world));
 
+  // Under no_sync rank 0 takes fc3, then the synchronized pass takes fc2 on every rank: fc3's
+  // accumulated gradient is averaged too (rank 1's counting as zero), the same on both ranks.
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  for (auto& p : local->parameters()) p.mutable_grad() = at::Tensor();
+  {
+    auto guard = d.no_sync();
+    d(x, ctx.rank == 0).sum().backward();
+  }
+  d(x, false).sum().backward();
+  local->forward(x, ctx.rank == 0).sum().backward();
+  local->forward(x, false).sum().backward();
+  check_grads(*model, averaged_grads(*local, ctx.world));
+
   // fc3 applied by the caller after forward: found unused, then its hook fires.
   struct Outside : torch::nn::Module {
     Outside() {
@@ -280,6 +310,29 @@ void unused_parameters(const RankContext& ctx) {
   const std::string err = what_of([&] { outside->fc3(t(x)).sum().backward(); });
   CHECK(err.rfind("Expected to mark a variable ready only once.", 0) == 0);
   CHECK(contains(err, "Parameter at index 2 with name fc3.weight has been marked as ready twice."));
+  // The failed pass is not finished: the next iteration says why, not that parameters were unused.
+  const std::string next = what_of([&] { (void)t(x); });
+  CHECK(next.rfind("DistributedDataParallel cannot run another iteration: a gradient hook of its "
+                   "last backward pass failed (Expected to mark a variable ready only once.",
+                   0) == 0);
+
+  // A dense parameter whose gradient is sparse (Embedding with sparse(true)) fails the backward
+  // pass naming it.
+  struct Sparse : torch::nn::Module {
+    Sparse() {
+      emb = register_module("emb",
+                            torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)));
+    }
+    at::Tensor forward(at::Tensor in) { return emb(in); }
+    torch::nn::Embedding emb{nullptr};
+  };
+  auto sparse = std::make_shared<Sparse>();
+  DistributedDataParallel s(sparse);
+  CHECK(what_of([&] {
+          s(torch::tensor({1, 2}, at::kLong)).sum().backward();
+        }) ==
+        "DistributedDataParallel: parameter 'emb.weight' got a sparse gradient, which is not "
+        "supported; make its module produce dense gradients (e.g. Embedding without sparse)");
 }
 
 // Gradients accumulated under no_sync, then one synchronized backward: the average of the sums.
@@ -397,7 +450,8 @@ void static_graph(const RankContext& ctx) {
   }
 }
 
-// A ModuleHolder wraps as its Impl; buffers follow rank 0's before each forward.
+// A ModuleHolder wraps as its Impl; buffers follow rank 0's before a forward that follows a
+// synchronized one.
 void holders_and_buffers(const RankContext& ctx) {
   torch::manual_seed(20 + ctx.rank);
   torch::nn::Linear lin(torch::nn::LinearOptions(2, 3));
@@ -428,6 +482,32 @@ void holders_and_buffers(const RankContext& ctx) {
   if (ctx.rank == 1) counting->seen.fill_(7);  // overwritten by rank 0's before the forward
   d(at::ones({1, 2})).sum().backward();
   CHECK(counting->seen.item<float>() == 1);
+  // As in PyTorch, a forward broadcasts the buffers only when the one before it was
+  // synchronized: the first no_sync (or no-grad) forward does, later ones keep local buffers
+  // (no collective each micro-step), and so does the synchronized forward right after them.
+  const auto seen_after = [&](bool sync, float rank1_before) {
+    if (ctx.rank == 1) counting->seen.fill_(rank1_before);
+    if (sync) {
+      d(at::ones({1, 2})).sum().backward();
+    } else {
+      auto guard = d.no_sync();
+      d(at::ones({1, 2})).sum().backward();
+    }
+    return counting->seen.item<float>();
+  };
+  CHECK(seen_after(false, 7) == 2);                        // rank 0's 1, then + 1
+  CHECK(seen_after(false, 7) == (ctx.rank == 1 ? 8 : 3));  // kept
+  CHECK(seen_after(true, 7) == (ctx.rank == 1 ? 8 : 4));   // kept: the forward before was local
+  CHECK(seen_after(true, 7) == 5);                         // rank 0's 4, then + 1
+  {
+    torch::NoGradGuard no_grad;
+    if (ctx.rank == 1) counting->seen.fill_(7);
+    (void)d(at::ones({1, 2}));
+    CHECK(counting->seen.item<float>() == 6);
+    if (ctx.rank == 1) counting->seen.fill_(7);
+    (void)d(at::ones({1, 2}));
+    CHECK(counting->seen.item<float>() == (ctx.rank == 1 ? 8 : 7));
+  }
   DistributedDataParallel keep(std::make_shared<Counting>(), {.broadcast_buffers = false});
   if (ctx.rank == 1) keep.module()->seen.fill_(7);
   keep(at::ones({1, 2})).sum().backward();

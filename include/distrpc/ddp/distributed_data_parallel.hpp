@@ -186,16 +186,19 @@ class DistributedDataParallel {
   DistributedDataParallel& operator=(DistributedDataParallel&&) noexcept = default;
 
   // The module's forward, with the gradient synchronization around it: rank 0's buffers first
-  // (broadcast_buffers), then, when grad mode is on outside no_sync, the reducer is prepared for
-  // the backward pass of the result.
+  // (broadcast_buffers, when the forward before was synchronized), then, when grad mode is on
+  // outside no_sync, the reducer is prepared for the backward pass of the result.
   template <class... Args>
   auto forward(Args&&... args) {
     const bool sync = at::GradMode::is_enabled() && *require_sync_;
     if (sync) reducer_->rebuild_buckets_if_needed();
-    if (opts_.broadcast_buffers && !buffers_.empty()) {
+    // As PyTorch: only after a synchronized forward (and before the first), so no_sync
+    // micro-steps and evaluation under no-grad do not pay a collective each.
+    if (opts_.broadcast_buffers && !buffers_.empty() && sync_buffers_) {
       detail::broadcast_coalesced(buffers_, src(), group_);
     }
     auto out = module_->forward(std::forward<Args>(args)...);
+    sync_buffers_ = sync;
     if (sync) {
       std::vector<at::Tensor> outputs;
       if (opts_.find_unused_parameters && !opts_.static_graph) {
@@ -243,11 +246,16 @@ class DistributedDataParallel {
   // the same text.
   void verify_across_ranks(const std::vector<at::Tensor>& params,
                            const std::vector<std::string>& names) {
+    // Name, dtype, shape, and whether it is trained: the reducer's buckets hold the trained
+    // ones only, so ranks that freeze different parameters of one shape would average unrelated
+    // gradients.
+    constexpr std::size_t kFields = 4;
     std::vector<std::string> mine;
     for (std::size_t i = 0; i < params.size(); ++i) {
       mine.push_back(names[i]);
       mine.push_back(c10::toString(params[i].scalar_type()));
       mine.push_back(c10::str(params[i].sizes()));
+      mine.push_back(params[i].requires_grad() ? "requires grad" : "does not require grad");
     }
     std::vector<std::vector<std::string>> all;
     dist::all_gather_object(all, mine, {.group = group_});
@@ -257,11 +265,12 @@ class DistributedDataParallel {
       const auto& other = all[r];
       const std::string r0 = "rank " + std::to_string(ranks.front());
       const std::string rr = "rank " + std::to_string(ranks[r]);
-      for (std::size_t k = 0; k + 2 < std::min(first.size(), other.size()); k += 3) {
+      for (std::size_t k = 0; k + kFields - 1 < std::min(first.size(), other.size());
+           k += kFields) {
         if (first[k] != other[k]) {
           throw std::invalid_argument("DistributedDataParallel: parameter " +
-                                      std::to_string(k / 3) + " is '" + first[k] + "' on " + r0 +
-                                      " but '" + other[k] + "' on " + rr);
+                                      std::to_string(k / kFields) + " is '" + first[k] + "' on " +
+                                      r0 + " but '" + other[k] + "' on " + rr);
         }
         if (first[k + 1] != other[k + 1]) {
           throw std::invalid_argument("DistributedDataParallel: parameter '" + first[k] +
@@ -273,11 +282,16 @@ class DistributedDataParallel {
                                       "' has shape " + first[k + 2] + " on " + r0 + " but " +
                                       other[k + 2] + " on " + rr);
         }
+        if (first[k + 3] != other[k + 3]) {
+          throw std::invalid_argument("DistributedDataParallel: parameter '" + first[k] + "' " +
+                                      first[k + 3] + " on " + r0 + " but " + other[k + 3] + " on " +
+                                      rr + " (every rank must train the same parameters)");
+        }
       }
       if (first.size() != other.size()) {
         throw std::invalid_argument("DistributedDataParallel: " + r0 + " has " +
-                                    std::to_string(first.size() / 3) + " parameters but " + rr +
-                                    " has " + std::to_string(other.size() / 3));
+                                    std::to_string(first.size() / kFields) + " parameters but " +
+                                    rr + " has " + std::to_string(other.size() / kFields));
       }
     }
   }
@@ -288,6 +302,8 @@ class DistributedDataParallel {
   std::vector<at::Tensor> buffers_;
   std::shared_ptr<ddp::Reducer> reducer_;
   std::shared_ptr<bool> require_sync_ = std::make_shared<bool>(true);
+  // Whether the next forward broadcasts the buffers: the last forward was synchronized.
+  bool sync_buffers_ = true;
 };
 
 template <class M>

@@ -262,7 +262,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
           acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
               [weak, i](const torch::autograd::variable_list& outputs,
                         const torch::autograd::variable_list&) {
-                if (auto self = weak.lock()) self->autograd_hook(i);
+                if (auto self = weak.lock()) self->run_hook(i);
                 return outputs;
               })));
       accumulators_.push_back(std::move(acc));
@@ -316,10 +316,25 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // ---- The backward pass.
 
+  // A hook that throws fails the backward pass and leaves this pass unfinished (some buckets
+  // may be reduced on other ranks only): the cause is kept for the error of every later
+  // iteration.
+  void run_hook(std::size_t i) {
+    try {
+      autograd_hook(i);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (require_finalize_ && failed_pass_.empty()) failed_pass_ = e.what();
+      throw;
+    }
+  }
+
   void autograd_hook(std::size_t i) {
     std::unique_lock<std::mutex> lk(mu_);
-    if (!expect_hooks_) return;  // no_sync, or a graph this wrapper did not prepare
+    // Recorded also under no_sync: a parameter used only in the accumulating passes has a
+    // gradient to average at the next synchronized one (cleared once that one is reduced).
     if (dynamic_find_unused() || static_first()) local_used_[i] = 1;
+    if (!expect_hooks_) return;  // no_sync, or a graph this wrapper did not prepare
     if (static_first()) {
       // The first iteration of a static graph only learns the graph: which parameters get
       // gradients and how many times; everything is reduced at the end of backward.
@@ -381,6 +396,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     at::Tensor& view = bucket.views[s];
     at::NoGradGuard no_grad;
     at::Tensor grad = ctx_ ? ctx_->gradient(params_[i]) : params_[i].grad();
+    if (grad.defined() && grad.is_sparse()) {
+      // A dense parameter with a sparse gradient (an Embedding made with sparse(true)): the
+      // buckets are dense.
+      throw std::runtime_error("DistributedDataParallel: parameter '" + names_[i] +
+                               "' got a sparse gradient, which is not supported; make its "
+                               "module produce dense gradients (e.g. Embedding without sparse)");
+    }
     if (grad.defined()) {
       if (!grad.is_alias_of(view)) {
         view.copy_(grad);
@@ -426,6 +448,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       used_map_ = at::from_blob(local_used_.data(), {static_cast<std::int64_t>(local_used_.size())},
                                 at::kInt)
                       .clone();
+      // What the accumulating passes since the last reduction used is in the map now.
+      std::fill(local_used_.begin(), local_used_.end(), 0);
       at::Tensor used = used_map_;
       const c10::Device device = comm_device();
       lk.unlock();
@@ -589,7 +613,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     first_hook_seen_ = false;
     finalize_scheduled_ = false;
     std::fill(marked_.begin(), marked_.end(), 0);
-    std::fill(local_used_.begin(), local_used_.end(), 0);
     remaining_ = params_.size();
     next_launch_ = 0;
     launched_ = 0;
@@ -661,6 +684,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   }
 
   std::string prior_reduction_text() const {
+    if (!failed_pass_.empty()) {
+      return "DistributedDataParallel cannot run another iteration: a gradient hook of its last "
+             "backward pass failed (" +
+             failed_pass_ + ")";
+    }
     std::string missing;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!marked_[i]) missing += (missing.empty() ? "" : " ") + names_[i];
@@ -697,6 +725,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool finalize_scheduled_ = false;
   std::vector<char> marked_;
   std::vector<std::int32_t> local_used_;
+  std::string failed_pass_;  // why a hook failed, leaving its pass unfinished (run_hook)
   std::vector<std::size_t> unused_;
   std::size_t remaining_ = 0;
   std::size_t next_launch_ = 0;
