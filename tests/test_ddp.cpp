@@ -9,6 +9,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -315,6 +316,39 @@ void unused_parameters(const RankContext& ctx) {
   CHECK(next.rfind("DistributedDataParallel cannot run another iteration: a gradient hook of its "
                    "last backward pass failed (Expected to mark a variable ready only once.",
                    0) == 0);
+
+  // The search sees into the values of a map; a result it cannot see into is named at forward
+  // (searched from nothing, every parameter would count as unused).
+  struct Mapped : torch::nn::Module {
+    Mapped() { net = register_module("net", std::make_shared<BranchNet>()); }
+    std::map<std::string, at::Tensor> forward(at::Tensor in) {
+      return {{"y", net->forward(in, false)}};
+    }
+    std::shared_ptr<BranchNet> net;
+  };
+  auto mapped = std::make_shared<Mapped>();
+  DistributedDataParallel m(mapped, {.find_unused_parameters = true});
+  m(x).at("y").sum().backward();
+  CHECK(mapped->net->fc2->weight.grad().defined());
+  CHECK(!mapped->net->fc3->weight.grad().defined());
+  CHECK(m.stats().unused_parameters == std::vector<std::size_t>{2});
+  struct Result {
+    at::Tensor y;
+  };
+  struct Opaque : torch::nn::Module {
+    Opaque() { fc = register_module("fc", torch::nn::Linear(2, 2)); }
+    Result forward(at::Tensor in) { return {fc(in)}; }
+    torch::nn::Linear fc{nullptr};
+  };
+  DistributedDataParallel o(std::make_shared<Opaque>(), {.find_unused_parameters = true});
+  const std::string opaque = what_of([&] { (void)o(x); });
+  CHECK(opaque.rfind("DistributedDataParallel: find_unused_parameters searches the graph from the "
+                     "tensors of forward's result, and its result (",
+                     0) == 0);
+  CHECK(contains(opaque,
+                 "Result) holds none that it can see: return a tensor, or tensors in a "
+                 "std::vector, std::array, std::tuple, std::pair, std::optional or the "
+                 "values of a std::map or std::unordered_map"));
 
   // A dense parameter whose gradient is sparse (Embedding with sparse(true)) fails the backward
   // pass naming it.

@@ -13,19 +13,25 @@
 //   { auto guard = ddp.no_sync(); ddp(x2).sum().backward(); }   // accumulate locally
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/util/Type.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
@@ -49,14 +55,23 @@ struct DDPOptions {
 namespace detail {
 
 // The tensors of a forward's result, for the unused-parameter search: a tensor, and tensors
-// inside vectors, tuples and pairs (recursively); other types hold none.
+// inside vectors, arrays, tuples, pairs, optionals and the values of maps (recursively); other
+// types hold none.
 inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out);
 template <class T>
 void collect_tensors(const std::vector<T>& v, std::vector<at::Tensor>& out);
+template <class T, std::size_t N>
+void collect_tensors(const std::array<T, N>& v, std::vector<at::Tensor>& out);
 template <class... T>
 void collect_tensors(const std::tuple<T...>& t, std::vector<at::Tensor>& out);
 template <class A, class B>
 void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
+template <class T>
+void collect_tensors(const std::optional<T>& o, std::vector<at::Tensor>& out);
+template <class K, class V, class C, class A>
+void collect_tensors(const std::map<K, V, C, A>& m, std::vector<at::Tensor>& out);
+template <class K, class V, class H, class E, class A>
+void collect_tensors(const std::unordered_map<K, V, H, E, A>& m, std::vector<at::Tensor>& out);
 template <class T>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
@@ -75,6 +90,22 @@ template <class A, class B>
 void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
   collect_tensors(p.first, out);
   collect_tensors(p.second, out);
+}
+template <class T, std::size_t N>
+void collect_tensors(const std::array<T, N>& v, std::vector<at::Tensor>& out) {
+  for (const auto& x : v) collect_tensors(x, out);
+}
+template <class T>
+void collect_tensors(const std::optional<T>& o, std::vector<at::Tensor>& out) {
+  if (o) collect_tensors(*o, out);
+}
+template <class K, class V, class C, class A>
+void collect_tensors(const std::map<K, V, C, A>& m, std::vector<at::Tensor>& out) {
+  for (const auto& [k, v] : m) collect_tensors(v, out);
+}
+template <class K, class V, class H, class E, class A>
+void collect_tensors(const std::unordered_map<K, V, H, E, A>& m, std::vector<at::Tensor>& out) {
+  for (const auto& [k, v] : m) collect_tensors(v, out);
 }
 
 // Broadcasts tensors from `src` (a global rank), one flat tensor per dtype.
@@ -203,6 +234,17 @@ class DistributedDataParallel {
       std::vector<at::Tensor> outputs;
       if (opts_.find_unused_parameters && !opts_.static_graph) {
         detail::collect_tensors(out, outputs);
+        // Searched from nothing, every parameter would count as unused, and the first gradient
+        // would fail as a double mark: a result the search cannot see into is named instead.
+        if (outputs.empty()) {
+          throw std::invalid_argument(
+              "DistributedDataParallel: find_unused_parameters searches the graph from the "
+              "tensors of forward's result, and its result (" +
+              c10::demangle(typeid(out).name()) +
+              ") holds none that it can see: return a tensor, or tensors in a std::vector, "
+              "std::array, std::tuple, std::pair, std::optional or the values of a std::map or "
+              "std::unordered_map");
+        }
       }
       reducer_->prepare_for_backward(outputs);
     }

@@ -323,10 +323,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     try {
       autograd_hook(i);
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (require_finalize_ && failed_pass_.empty()) failed_pass_ = e.what();
+      record_failure(e.what());
       throw;
     }
+  }
+  void record_failure(const std::string& what) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (require_finalize_ && failed_pass_.empty()) failed_pass_ = what;
   }
 
   void autograd_hook(std::size_t i) {
@@ -350,7 +353,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
         }
         std::weak_ptr<Reducer> weak = weak_from_this();
         torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-          if (auto self = weak.lock()) self->delay_all_reduce();
+          auto self = weak.lock();
+          if (!self) return;
+          try {
+            self->delay_all_reduce();
+          } catch (const std::exception& e) {
+            self->record_failure(e.what());
+            throw;
+          }
         });
       }
       return;
@@ -389,12 +399,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void mark_variable_ready(std::size_t i) {
     if (marked_[i]) throw std::runtime_error(double_mark_text(i));
-    marked_[i] = 1;
-    --remaining_;
-    auto [b, s] = locator_[i];
-    Bucket& bucket = buckets_[b];
-    at::Tensor& view = bucket.views[s];
-    at::NoGradGuard no_grad;
     at::Tensor grad = ctx_ ? ctx_->gradient(params_[i]) : params_[i].grad();
     if (grad.defined() && grad.is_sparse()) {
       // A dense parameter with a sparse gradient (an Embedding made with sparse(true)): the
@@ -403,6 +407,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
                                "' got a sparse gradient, which is not supported; make its "
                                "module produce dense gradients (e.g. Embedding without sparse)");
     }
+    marked_[i] = 1;
+    --remaining_;
+    auto [b, s] = locator_[i];
+    Bucket& bucket = buckets_[b];
+    at::Tensor& view = bucket.views[s];
+    at::NoGradGuard no_grad;
     if (grad.defined()) {
       if (!grad.is_alias_of(view)) {
         view.copy_(grad);
