@@ -448,14 +448,16 @@ class RpcAgent : public AgentServices,
           int peer;
           ~Done() { agent->loss_notice_done(peer); }
         } done{this, peer};
-        const std::string what =
-            "a layer's handling of the loss of worker " + std::to_string(peer) + " failed: ";
+        const auto failed = [&](const char* why) {
+          detail::log_error(self().name, "a layer's handling of the loss of worker " +
+                                             std::to_string(peer) + " failed: " + why);
+        };
         try {
           x->on_peer_lost(peer);
         } catch (const std::exception& e) {
-          detail::log_error(self().name, what + e.what());
+          failed(e.what());
         } catch (...) {
-          detail::log_error(self().name, what + "an exception not derived from std::exception");
+          failed("an exception not derived from std::exception");
         }
       });
       if (!posted) loss_notice_done(peer);  // stopping: it never runs

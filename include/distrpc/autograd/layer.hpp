@@ -826,29 +826,24 @@ class AutogradLayer final : public AgentExtension,
     if (!pass->host_after(kCleanupBatchDelay, [weak] {
           if (auto s = weak.lock()) s->flush_cleanup();
         })) {
-      bool ours = false;  // not when a flush already took this batch and ended its step
-      {
-        std::lock_guard<std::mutex> lk(cleanup_mu_);  // stopping: nothing is sent any more
-        pending_cleanup_.clear();
-        ours = std::exchange(flush_scheduled_, false);
-      }
-      if (ours) pass->host_protocol_end(1);
+      // Stopping: nothing is sent any more (unless a flush already took this batch).
+      if (take_cleanup_batch().second) pass->host_protocol_end(1);
     }
   }
 
   void flush_cleanup() {
-    std::map<int, std::vector<std::int64_t>> batch;
-    bool scheduled = false;
-    {
-      std::lock_guard<std::mutex> lk(cleanup_mu_);
-      batch.swap(pending_cleanup_);
-      scheduled = std::exchange(flush_scheduled_, false);
-    }
+    auto [batch, scheduled] = take_cleanup_batch();
     for (auto& [worker, ids] : batch) send_cleanup_to(worker, std::move(ids));
     // Ended once the batch's calls are counted themselves (or failed to start).
     if (scheduled) {
       if (auto pass = gate_->enter()) pass->host_protocol_end(1);
     }
+  }
+
+  // The releases waiting, and whether a protocol step was begun for them (the taker ends it).
+  std::pair<std::map<int, std::vector<std::int64_t>>, bool> take_cleanup_batch() {
+    std::lock_guard<std::mutex> lk(cleanup_mu_);
+    return {std::exchange(pending_cleanup_, {}), std::exchange(flush_scheduled_, false)};
   }
 
   // A batch of releases to `worker`, resent on a send failure (kCleanupAttempts in all,

@@ -319,17 +319,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // A hook that throws fails the backward pass and leaves this pass unfinished (some buckets
   // may be reduced on other ranks only): the cause is kept for the error of every later
   // iteration.
-  void run_hook(std::size_t i) {
+  template <class Fn>
+  void recording_failure(Fn&& fn) {
     try {
-      autograd_hook(i);
+      fn();
     } catch (const std::exception& e) {
-      record_failure(e.what());
+      std::lock_guard<std::mutex> lk(mu_);
+      if (require_finalize_ && failed_pass_.empty()) failed_pass_ = e.what();
       throw;
     }
   }
-  void record_failure(const std::string& what) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (require_finalize_ && failed_pass_.empty()) failed_pass_ = what;
+  void run_hook(std::size_t i) {
+    recording_failure([&] { autograd_hook(i); });
   }
 
   void autograd_hook(std::size_t i) {
@@ -353,14 +354,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
         }
         std::weak_ptr<Reducer> weak = weak_from_this();
         torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-          auto self = weak.lock();
-          if (!self) return;
-          try {
-            self->delay_all_reduce();
-          } catch (const std::exception& e) {
-            self->record_failure(e.what());
-            throw;
-          }
+          if (auto self = weak.lock()) self->recording_failure([&] { self->delay_all_reduce(); });
         });
       }
       return;
