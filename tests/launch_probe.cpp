@@ -11,6 +11,9 @@
 //   stubborn R CODE     rank R exits with CODE after 200 ms; the others ignore SIGTERM, sleep 60 s
 //   sleep MS            every rank sleeps MS ms and exits with 0
 //   ready MS            every rank prints "ready", then sleeps MS ms and exits with 0
+//   flood               writes "y" lines to stdout without pause until it is stopped
+//   torchrun_env        prints "TORCHELASTIC_USE_AGENT_STORE=.. TORCHELASTIC_RESTART_COUNT=..
+//                       GROUP_RANK=.. ROLE_RANK=.." (unset: "-")
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -94,6 +97,19 @@ int main(int argc, char** argv) {
   if (mode == "ready" && argc == 3) {
     write_str(STDOUT_FILENO, "ready\n");
     sleep_ms(std::atol(argv[2]));
+    return 0;
+  }
+  if (mode == "flood") {
+    std::string block;
+    for (int i = 0; i < 32768; ++i) block += "y\n";
+    for (;;) write_str(STDOUT_FILENO, block);
+  }
+  if (mode == "torchrun_env") {
+    std::printf(
+        "TORCHELASTIC_USE_AGENT_STORE=%s TORCHELASTIC_RESTART_COUNT=%s GROUP_RANK=%s "
+        "ROLE_RANK=%s\n",
+        env("TORCHELASTIC_USE_AGENT_STORE"), env("TORCHELASTIC_RESTART_COUNT"), env("GROUP_RANK"),
+        env("ROLE_RANK"));
     return 0;
   }
   if (mode == "sleep" && argc == 3) {

@@ -590,6 +590,79 @@ DISTRPC_MP_TEST("dist autograd: the contexts a lost worker made are released on 
 }
 
 namespace ag_test {
+// A parameter of the worker that runs these (made on first use).
+const at::Tensor& own_weight() {
+  static const at::Tensor w = torch::full({2}, 3.0f, torch::requires_grad());
+  return w;
+}
+at::Tensor times_own_weight(at::Tensor x) {
+  return x * own_weight();
+}
+// The gradient of own_weight() in context `id` here (undefined when it has none).
+at::Tensor own_weight_grad(std::int64_t id) {
+  return grad_of(id, own_weight());
+}
+std::string num_contexts_here() {
+  return da::get_debug_info().at("num_autograd_contexts");
+}
+}  // namespace ag_test
+
+// A member of a dynamic group leaves (graceful shutdown) with a context still open, one that
+// reached another worker; a new process under its rank then makes contexts with the same ids.
+// The others release the leaver's contexts at its leave: the joiner's pass must not add to the
+// old pass's gradients.
+DISTRPC_MP_TEST("dist autograd: the contexts a leaving worker left open are released on the others",
+                2, 90) {
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "leave");
+  const at::Tensor x = torch::tensor({1.0f, 2.0f});
+  // One step in a context made on a thread of its own, which ends without releasing it; the
+  // gradient of worker0's weight in it.
+  const auto step = [&x](std::int64_t& id, at::Tensor& weight_grad) {
+    std::thread([&] {
+      id = da::new_context();
+      const at::Tensor y =
+          distrpc::rpc_sync<&ag_test::times_own_weight>("worker0", x.clone().requires_grad_(true));
+      da::backward(id, {y.sum()});
+      weight_grad = distrpc::rpc_sync<&ag_test::own_weight_grad>("worker0", id);
+    }).join();
+  };
+  if (ctx.rank == 0) {
+    distrpc::testing::init_rpc_dynamic_under_test("worker0", 0, o);
+    ctx.publish("up0", "1");
+    ctx.lookup("left1", 30s);
+    const auto t0 = Clock::now();
+    while (ag_test::num_contexts_here() != "0" && ms_since(t0) < 5000) {
+      std::this_thread::sleep_for(20ms);
+    }
+    CHECK(ag_test::num_contexts_here() == "0");
+    ctx.publish("checked0", "1");
+    ctx.lookup("done1", 60s);
+    distrpc::shutdown();
+    return;
+  }
+  ctx.lookup("up0", 30s);
+  distrpc::testing::init_rpc_dynamic_under_test("worker1", 1, o);
+  std::int64_t first = -1;
+  at::Tensor first_grad;
+  step(first, first_grad);
+  CHECK(same(first_grad, x));
+  distrpc::shutdown();  // the context stays open
+  ctx.publish("left1", "1");
+  ctx.lookup("checked0", 30s);
+  // The same process joins again under its rank: its new agent counts context ids from 0 again.
+  distrpc::testing::init_rpc_dynamic_under_test("worker1", 1, o);
+  std::int64_t second = -1;
+  at::Tensor second_grad;
+  step(second, second_grad);
+  CHECK(second == first);
+  CHECK_MESSAGE(same(second_grad, x), "worker0's weight gradient: " << second_grad);
+  da::release_context(second);
+  ctx.publish("done1", "1");
+  distrpc::shutdown();
+}
+
+namespace ag_test {
 at::Tensor same(at::Tensor t) {
   return t;
 }

@@ -499,9 +499,32 @@ DISTRPC_MP_TARGET("distrpc backend target: killed mid-collective on shm") {
   survivors_meet(ctx, 1);
 }
 
+// The loss comes while the waiting thread reads the connections itself (wait_spin: 1.5 s here,
+// so the loss falls inside it): its wait must see the loss when the reading ends, not sleep on
+// until the group's timeout.
+DISTRPC_MP_TARGET("distrpc backend target: killed while the others read on shm") {
+  DistrpcBackendOptions spin;
+  spin.wait_spin = std::chrono::milliseconds(1500);
+  auto b = make_backend<Shm>(ctx, 30s, spin);
+  REQUIRE(b->barrier()->wait());
+  if (ctx.rank == 1) {
+    std::this_thread::sleep_for(300ms);
+    ::kill(::getpid(), SIGKILL);
+  }
+  std::vector<at::Tensor> t{at::ones({1000})};
+  const auto t0 = Clock::now();
+  const std::string err = error_of(b->allreduce(t));  // rank 1 never joins: it dies first
+  const long long took = ms_since(t0);
+  MESSAGE("rank " << ctx.rank << ": " << err << " after " << took << " ms");
+  CHECK(contains(err, "connection to rank 1 lost"));
+  CHECK(took < 5000);
+  survivors_meet(ctx, 1);
+}
+
 TEST_CASE("distrpc backend: a member killed with SIGKILL fails the others within 2 s") {
   for (const char* name : {"distrpc backend target: killed mid-collective",
-                           "distrpc backend target: killed mid-collective on shm"}) {
+                           "distrpc backend target: killed mid-collective on shm",
+                           "distrpc backend target: killed while the others read on shm"}) {
     RunOptions o;
     const bool shm = std::string(name).find("shm") != std::string::npos;
     o.world = 3;
@@ -839,6 +862,67 @@ DISTRPC_MP_TEST("distrpc backend: a Work callback may drop the last reference to
   std::vector<at::Tensor> t{at::ones({2})};
   CHECK(again->allreduce(t, AllreduceOptions{})->wait());
   CHECK(at::equal(t[0], at::full({2}, 2.0)));
+}
+
+// A Work callback runs on the backend's thread that completes the work (the collectives'
+// executor, the point-to-point thread). Waiting there for another work of the group, which that
+// thread would have to run next, throws instead of hanging; the group goes on afterwards.
+DISTRPC_MP_TEST("distrpc backend: waiting for a work inside another's callback throws, no hang", 2,
+                60) {
+  auto b = make_backend<Tcp>(ctx, 20s);
+  std::vector<at::Tensor> t{at::ones({4})};
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("attached", 30s);
+    CHECK(b->allreduce(t, AllreduceOptions{})->wait());
+    std::vector<at::Tensor> inner{at::ones({4})};
+    CHECK(b->allreduce(inner, AllreduceOptions{})->wait());  // the one rank 0 queued inside
+    CHECK(b->send(t, 0, 7)->wait());
+    CHECK(b->send(t, 0, 8)->wait());
+    (void)ctx.lookup("checked", 30s);
+    return;
+  }
+  const auto nested_wait = [](const std::shared_ptr<Work>& w) {
+    try {
+      w->wait();
+      return std::string("(no error)");
+    } catch (const std::logic_error& e) {
+      return std::string(e.what());
+    }
+  };
+  std::promise<std::string> collective_text, recv_text;
+  std::vector<at::Tensor> inner{at::ones({4})};
+  std::vector<at::Tensor> got{at::zeros({4})}, got_inner{at::zeros({4})};
+  std::shared_ptr<Work> inner_collective, inner_recv;  // set in the callbacks
+  auto w = b->allreduce(t, AllreduceOptions{});
+  w->get_future().add_done_callback([&](const auto&) {
+    inner_collective = b->allreduce(inner, AllreduceOptions{});
+    collective_text.set_value(nested_wait(inner_collective));
+  });
+  auto r = b->recv(got, 1, 7);
+  r->get_future().add_done_callback([&](const auto&) {
+    inner_recv = b->recv(got_inner, 1, 8);
+    recv_text.set_value(nested_wait(inner_recv));
+  });
+  ctx.publish("attached", "1");
+  auto collective = collective_text.get_future();
+  auto recv = recv_text.get_future();
+  REQUIRE(collective.wait_for(20s) == std::future_status::ready);
+  REQUIRE(recv.wait_for(20s) == std::future_status::ready);
+  const std::string c = collective.get();
+  CHECK_MESSAGE(contains(c, "Work::wait: allreduce (sequence number "), c);
+  CHECK_MESSAGE(contains(c,
+                         ") was waited for on the thread that runs it (in a callback of another "
+                         "work of its group): it could never complete"),
+                c);
+  const std::string rv = recv.get();
+  CHECK_MESSAGE(contains(rv, "Work::wait: recv was waited for on the thread that runs it"), rv);
+  // The works waited for in the callbacks run once the callbacks returned (and this thread may
+  // wait for them).
+  CHECK(inner_collective->wait());
+  CHECK(inner_recv->wait());
+  CHECK(at::equal(inner[0], at::full({4}, 2.0)));
+  CHECK(at::equal(got_inner[0], at::full({4}, 2.0)));  // rank 1's tensor after the first sum
+  ctx.publish("checked", "1");
 }
 
 TEST_CASE("distrpc backend: a member that never arrives fails the meeting, naming its key") {

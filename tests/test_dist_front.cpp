@@ -516,8 +516,10 @@ TEST_CASE("dist front: mixed dtypes are refused by every listed collective (scen
   std::vector<at::Tensor> out_real{at::zeros({2})};
   std::vector<at::Tensor> out_complex{at::view_as_complex(at::zeros({2, 2}))};
   CHECK(dist::all_gather(out_real, real));
-  CHECK(dist::all_gather(out_complex, real));
-  CHECK(identical(at::view_as_real(out_complex[0]).select(1, 0), real));
+  // One complex element of the output holds two floats of the input.
+  std::vector<at::Tensor> out_one_complex{at::view_as_complex(at::zeros({2}))};
+  CHECK(dist::all_gather(out_one_complex, real));
+  CHECK(identical(at::view_as_real(out_one_complex[0]), real));
   CHECK(dist::all_gather(out_complex, complex));
   CHECK(identical(out_complex[0], complex));
   CHECK_NOTHROW(dist::detail::check_same_dtype(out_real, complex));
@@ -571,6 +573,15 @@ TEST_CASE("dist front: rank checks and sending to oneself name what was wrong") 
   CHECK(error_text<E>([&] {
           dist::all_to_all_single(t, t, {.output_split_sizes = {1, 1}});
         }) == "alltoall_base: 2 output split sizes for a group of size 1");
+  // What a rank sends itself must fit its own output: refused before anything is sent.
+  const at::Tensor three = at::zeros({3});
+  CHECK(error_text<E>([&] { dist::all_to_all_single(t, three); }) ==
+        "alltoall_base: rank 0 sends itself 3 elements but its output takes 2 from it (the "
+        "input's and output's split sizes for rank 0 must match)");
+  std::vector<at::Tensor> outs{at::zeros({2})};
+  std::vector<at::Tensor> ins{at::zeros({3})};
+  CHECK(error_text<E>([&] { dist::all_to_all(outs, ins); }) ==
+        "alltoall: rank 0 sends itself 3 elements (input 0) but its output 0 holds 2");
   at::Tensor ints = at::zeros({2}, at::kInt);
   CHECK(error_text<E>([&] { dist::all_reduce(ints, {.op = dist::ReduceOp::AVG}); }) ==
         "Cannot use ReduceOp.AVG with integral dtype Int: the mean is not representable");
@@ -646,7 +657,7 @@ TEST_CASE("dist front: init_process_group's bad input, URLs and environment") {
     ScopedEnv ranks(ScopedEnv::unset, {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"});
     CHECK(error_text<DistError>([] { dist::init_process_group("dummy", "env://", -1, 1); }) ==
           "Error initializing distrpc using env:// rendezvous: environment variable RANK "
-          "expected, but not set (nor SLURM_PROCID or OMPI_COMM_WORLD_RANK, as srun and mpirun "
+          "expected, but not set (nor OMPI_COMM_WORLD_RANK or SLURM_PROCID, as mpirun and srun "
           "set)");
     // Everything given: a world of one over env://, rank 0 hosting the store on a free port.
     dist::init_process_group("dummy", "env://", 0, 1, milliseconds(5000));
@@ -714,6 +725,22 @@ TEST_CASE("dist front: a world of one for every registered backend") {
     CHECK(dist::get_backend() == name);
     CHECK(dist::get_default_group()->name() == name);
     CHECK(dist::barrier());
+    if (std::string(name) == "distrpc" || std::string(name) == "gloo") {
+      // A complex tensor mixed with real ones of its real dtype (PyTorch's
+      // _test_tensor_dtype_complex): the backend sees one dtype, the values land where they go.
+      const at::Tensor pair = at::rand({2});
+      std::vector<at::Tensor> reals{at::zeros({2})};
+      CHECK(dist::all_gather(reals, at::view_as_complex(pair.clone())));
+      CHECK(at::equal(reals[0], pair));
+      std::vector<at::Tensor> complexes{at::view_as_complex(at::zeros({2}))};
+      CHECK(dist::all_gather(complexes, pair));
+      CHECK(complexes[0].is_complex());  // the caller's list keeps its tensors
+      CHECK(at::equal(at::view_as_real(complexes[0]), pair));
+      const at::Tensor rows = at::rand({1, 2});
+      at::Tensor out = at::view_as_complex(at::zeros({1, 2}));
+      CHECK(dist::all_to_all_single(out, rows));
+      CHECK(at::equal(at::view_as_real(out), rows));
+    }
     dist::destroy_process_group();
     ++tried;
   }

@@ -312,20 +312,35 @@ TEST_CASE("GlooBackend shutdown fails pending work at once and refuses later cal
   b1->shutdown();
 }
 
-// A Work callback runs on the backend's waiter thread; one that drops the backend's last reference
-// runs shutdown() there, which must not try to join the thread it runs on.
-TEST_CASE("GlooBackend: a Work callback may drop the last reference to its backend") {
+namespace {
+// Ranks 0 and 1 of a gloo group in this process: rank 0's backend in a holder a Work callback
+// can empty (dropping the last reference), rank 1's as it is.
+struct GlooPair {
+  std::shared_ptr<std::shared_ptr<distrpc::dist::GlooBackend>> holder;
+  std::shared_ptr<distrpc::dist::GlooBackend> b1;
+};
+GlooPair gloo_pair() {
   using distrpc::dist::GlooBackend;
   auto store = std::make_shared<distrpc::store::HashStore>(std::chrono::seconds(30));
   distrpc::dist::GlooBackendOptions opts;
   opts.hostname = "127.0.0.1";
-  std::shared_ptr<GlooBackend> b1;
+  GlooPair p;
   std::thread peer(
-      [&] { b1 = std::make_shared<GlooBackend>(store, 1, 2, std::chrono::seconds(20), opts); });
-  auto holder = std::make_shared<std::shared_ptr<GlooBackend>>(
+      [&] { p.b1 = std::make_shared<GlooBackend>(store, 1, 2, std::chrono::seconds(20), opts); });
+  p.holder = std::make_shared<std::shared_ptr<GlooBackend>>(
       std::make_shared<GlooBackend>(store, 0, 2, std::chrono::seconds(20), opts));
   peer.join();
-  REQUIRE(b1 != nullptr);
+  REQUIRE(p.b1 != nullptr);
+  return p;
+}
+}  // namespace
+
+// A Work callback runs on the backend's waiter thread; one that drops the backend's last reference
+// runs shutdown() there, which must not try to join the thread it runs on.
+TEST_CASE("GlooBackend: a Work callback may drop the last reference to its backend") {
+  const GlooPair pair = gloo_pair();
+  const auto holder = pair.holder;
+  const auto& b1 = pair.b1;
 
   std::vector<at::Tensor> buf{at::zeros({3})};
   auto w = (*holder)->recv(buf, 1, 5);
@@ -342,5 +357,32 @@ TEST_CASE("GlooBackend: a Work callback may drop the last reference to its backe
   CHECK(*holder == nullptr);
   CHECK(w->is_success());
   CHECK(at::equal(buf[0], at::full({3}, 4.0)));
+  b1->shutdown();
+}
+
+// A collective's Work completes on one of gloo's own threads, which the group's destruction
+// joins: a callback there that drops the last reference must not have the group join the thread
+// it runs on (std::terminate), and the reference drop returns at once.
+TEST_CASE("GlooBackend: a collective's Work callback may drop the last reference to its backend") {
+  const GlooPair pair = gloo_pair();
+  const auto holder = pair.holder;
+  const auto& b1 = pair.b1;
+
+  std::vector<at::Tensor> t0{at::ones({3})};
+  auto w = (*holder)->allreduce(t0);
+  std::promise<std::thread::id> ran_on;
+  w->get_future().add_done_callback([holder, &ran_on](const auto&) {
+    holder->reset();  // the last reference: ~GlooBackend runs here, on a gloo thread
+    ran_on.set_value(std::this_thread::get_id());
+  });
+  std::vector<at::Tensor> t1{at::ones({3})};
+  CHECK(b1->allreduce(t1)->wait());
+  auto ran = ran_on.get_future();
+  REQUIRE(ran.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(ran.get() != std::this_thread::get_id());
+  CHECK(*holder == nullptr);
+  CHECK(w->is_success());
+  CHECK(at::equal(t0[0], at::full({3}, 2.0)));
+  CHECK(at::equal(t1[0], at::full({3}, 2.0)));
   b1->shutdown();
 }

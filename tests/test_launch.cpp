@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <future>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -263,6 +266,50 @@ TEST_SUITE("launch_local") {
     CHECK(r.describe() ==
           "timed out after 300 ms; stopped: rank 0 (killed by signal SIGTERM), rank 1 (killed by "
           "signal SIGTERM)");
+  }
+
+  TEST_CASE("a rank that writes without pause does not keep the timeout from stopping it") {
+    // Its lines come faster than they are handled: the pipe never runs dry.
+    std::size_t lines = 0;
+    distrpc::LaunchOptions o;
+    o.nprocs = 1;
+    o.timeout = 500ms;
+    o.grace = 500ms;
+    o.on_line = [&lines](int, distrpc::OutputStream, std::string_view) {
+      ++lines;
+      // Slower than the rank writes: about 1 us a line against a few ns.
+      const auto until = std::chrono::steady_clock::now() + 1us;
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    };
+    auto run =
+        std::async(std::launch::async, [&] { return distrpc::launch_local(kProbe, {"flood"}, o); });
+    if (run.wait_for(30s) != std::future_status::ready) {
+      // Stuck for good (the future would wait for it when destroyed): fail the process.
+      std::fprintf(stderr, "launch_local did not return within 30 s of a 500 ms timeout\n");
+      std::_Exit(3);
+    }
+    const distrpc::LaunchResult r = run.get();
+    CHECK(r.timed_out);
+    CHECK(r.elapsed < 10s);
+    CHECK(lines > 0);
+  }
+
+  TEST_CASE("the ranks do not inherit an outer torchrun's variables") {
+    distrpc::testing::ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "True");
+    distrpc::testing::ScopedEnv restarts("TORCHELASTIC_RESTART_COUNT", "0");
+    distrpc::testing::ScopedEnv group_rank("GROUP_RANK", "3");
+    distrpc::testing::ScopedEnv role_rank("ROLE_RANK", "5");
+    Captured c;
+    distrpc::LaunchOptions o = capturing(2, c);
+    o.env = {"ROLE_RANK=given"};  // what the caller gives still goes through
+    const distrpc::LaunchResult r = distrpc::launch_local(kProbe, {"torchrun_env"}, o);
+    CHECK(r.ok());
+    for (int rank = 0; rank < 2; ++rank) {
+      CHECK(c.out[rank] == std::vector<std::string>{"TORCHELASTIC_USE_AGENT_STORE=- "
+                                                    "TORCHELASTIC_RESTART_COUNT=- GROUP_RANK=- "
+                                                    "ROLE_RANK=given"});
+    }
   }
 
   TEST_CASE("a readable stop descriptor stops every rank") {

@@ -646,3 +646,41 @@ DISTRPC_MP_TARGET("elastic target: freeze and replace") {
 TEST_CASE("elastic: a frozen worker's pending calls fail when a replacement takes its place") {
   run_with_one_killed("elastic target: freeze and replace", 3, 1);
 }
+
+// ---- a member that left joins again ------------------------------------------------------------
+
+// Worker1 leaves (graceful shutdown), and the same process joins again under its name and rank
+// while a layer on worker0 still handles the end of its old connections (2.5 s). The admission
+// waits for that handling, which, run later, would drop what the joiner holds under that rank.
+DISTRPC_MP_TEST("elastic: a member that left joins again once the others handled its leave", 2,
+                90) {
+  using Clock = std::chrono::steady_clock;
+  if (ctx.rank == 0) {
+    g_slow_loss = true;
+    join(ctx, wname(0), 0, "rejoin");
+    ctx.publish("up0", "1");
+    (void)ctx.lookup("left1", 60s);
+    const auto t0 = Clock::now();
+    while (!g_loss_started.load() && Clock::now() - t0 < 10s) std::this_thread::sleep_for(1ms);
+    CHECK(g_loss_started.load());
+    ctx.publish("loss_seen0", "1");
+    (void)ctx.lookup("rejoined1", 60s);
+    CHECK(g_loss_ended.load());
+    CHECK_FALSE(g_joined_during_loss.load());
+    CHECK((member_names() == std::set<std::string>{wname(0), wname(1)}));
+    CHECK(distrpc::rpc_sync<&plus>(wname(1), 1, 2) == 3);
+  } else {
+    (void)ctx.lookup("up0", 60s);
+    join(ctx, wname(1), 1, "rejoin");
+    CHECK(distrpc::rpc_sync<&plus>(wname(0), 1, 1) == 2);
+    CHECK_NOTHROW(distrpc::shutdown());
+    ctx.publish("left1", "1");
+    (void)ctx.lookup("loss_seen0", 60s);
+    join(ctx, wname(1), 1, "rejoin");
+    CHECK((member_names() == std::set<std::string>{wname(0), wname(1)}));
+    CHECK(distrpc::rpc_sync<&plus>(wname(0), 2, 2) == 4);
+    ctx.publish("rejoined1", "1");
+  }
+  meet(ctx, "done", {0, 1});
+  CHECK_NOTHROW(distrpc::shutdown());
+}

@@ -1173,7 +1173,7 @@ TEST_CASE(
                  "TORCHELASTIC_RESTART_COUNT='x' is not an integer"));
 }
 
-TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that order") {
+TEST_CASE("rendezvous: env:// reads what torchrun, mpirun or srun set, in that order") {
   ScopedEnv env(
       ScopedEnv::unset,
       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
@@ -1184,12 +1184,12 @@ TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that o
 
   SUBCASE("none set: the error names every variable it tried") {
     CHECK(contains(rendezvous_error("env://", -1, -1),
-                   "environment variable RANK expected, but not set (nor SLURM_PROCID or "
-                   "OMPI_COMM_WORLD_RANK, as srun and mpirun set)"));
+                   "environment variable RANK expected, but not set (nor OMPI_COMM_WORLD_RANK "
+                   "or SLURM_PROCID, as mpirun and srun set)"));
     env.set("RANK", "0");
     CHECK(contains(rendezvous_error("env://", -1, -1),
-                   "environment variable WORLD_SIZE expected, but not set (nor SLURM_NTASKS or "
-                   "OMPI_COMM_WORLD_SIZE, as srun and mpirun set)"));
+                   "environment variable WORLD_SIZE expected, but not set (nor "
+                   "OMPI_COMM_WORLD_SIZE or SLURM_NTASKS, as mpirun and srun set)"));
   }
   SUBCASE("SLURM: srun's variables") {
     env.set("SLURM_PROCID", "0");
@@ -1212,6 +1212,20 @@ TEST_CASE("rendezvous: env:// reads what torchrun, srun or mpirun set, in that o
     CHECK(r.world_size == 1);
     CHECK(r.local_rank == 0);
     CHECK(r.local_world_size == 1);
+    // mpirun inside a SLURM allocation: every process inherits the batch step's SLURM values;
+    // mpirun's own are the ones that tell the processes apart.
+    env.set("SLURM_PROCID", "0");
+    env.set("SLURM_NTASKS", "8");
+    env.set("SLURM_LOCALID", "0");
+    env.set("SLURM_NTASKS_PER_NODE", "8");
+    env.set("OMPI_COMM_WORLD_RANK", "5");  // refused before any store is made: shows the source
+    env.set("OMPI_COMM_WORLD_SIZE", "4");
+    CHECK(contains(rendezvous_error("env://", -1, -1), "rank 5 is not below world_size 4"));
+    env.set("OMPI_COMM_WORLD_RANK", "2");
+    env.set("OMPI_COMM_WORLD_LOCAL_RANK", "3");
+    env.set("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+    CHECK(contains(rendezvous_error("env://", -1, -1),
+                   "local rank 3 is not below the local world size 2"));
   }
   SUBCASE("torchrun's names come first; local values are optional") {
     env.set("RANK", "0");
@@ -1388,6 +1402,46 @@ TEST_CASE("TCPStore: a PyTorch 2.x client (VALIDATE, new numbering, PING, CANCEL
   r = raw.reply(1);
   REQUIRE(r);
   CHECK((*r)[0] == 0);  // STOP_WAITING
+  CHECK(count_of(log.text(), "closing the connection") == 0);
+}
+
+TEST_CASE("TCPStore: requests that arrive in pieces cut anywhere are read whole") {
+  // Numbered as after VALIDATE (PyTorch >= 2.2).
+  constexpr std::uint8_t kV2CompareSet = 2, kV2MultiSet = 11;
+  ds::TCPStore master("127.0.0.1", 0, -1, true, 10s);
+  StderrCapture log;
+  const std::string big_old(100000, 'o'), big_new(100000, 'n');
+  master.set("big", big_old);
+  std::vector<std::uint8_t> q = {0, 0xce, 0xf7, 0x85, 0x3c};  // VALIDATE, magic 0x3C85F7CE
+  q.push_back(kV2MultiSet);
+  append(q, le64(40));
+  const auto value_of = [](int i) {
+    return std::string(static_cast<std::size_t>(i) * 7, 'a' + i % 26);
+  };
+  for (int i = 0; i < 40; ++i) {
+    append(q, str_field("/k" + std::to_string(i)));
+    append(q, str_field(value_of(i)));
+  }
+  q.push_back(kV2CompareSet);
+  append(q, str_field("/big"));
+  append(q, str_field(big_old));
+  append(q, str_field(big_new));
+  // Pieces of 1 to 13 bytes (cutting length fields too), with a pause now and then so that the
+  // server reads them apart.
+  RawSocket raw(master.port());
+  std::size_t at = 0;
+  for (int n = 0; at < q.size(); ++n) {
+    const std::size_t len = std::min<std::size_t>(q.size() - at, 1 + (n * 7) % 13);
+    raw.send(std::vector<std::uint8_t>(q.begin() + static_cast<std::ptrdiff_t>(at),
+                                       q.begin() + static_cast<std::ptrdiff_t>(at + len)));
+    at += len;
+    if (n % 400 == 0) std::this_thread::sleep_for(1ms);
+  }
+  const auto r = raw.reply(8 + big_new.size());  // compare_set answers with the value now
+  REQUIRE(r);
+  CHECK(*r == str_field(big_new));
+  CHECK(master.get_string("big") == big_new);
+  for (int i = 0; i < 40; ++i) CHECK(master.get_string("k" + std::to_string(i)) == value_of(i));
   CHECK(count_of(log.text(), "closing the connection") == 0);
 }
 
@@ -1780,6 +1834,18 @@ TEST_CASE("TCPStore TLS: set, get, wait and add over mutual TLS, with a shared s
   CHECK(client.add("n", 5) == 5);
   CHECK(master.add("n", 2) == 7);
   CHECK(client.add("n", 0) == 7);
+  // The server closes a refused add's connection; the client reads why on a side connection,
+  // under TLS too, and stays usable.
+  master.set("text", "abc");
+  const auto refused = thrown_text<distrpc::DistStoreError>([&] { client.add("text", 1); });
+  CHECK_MESSAGE(contains(refused, "not a 64-bit decimal integer"), refused);
+  CHECK(client.get_string("text") == "abc");
+  CHECK(client.add("n", 1) == 8);
+  // A timed-out wait for several keys names the missing one (asked on a side connection).
+  const auto waited = thrown_text<ds::StoreTimeoutError>([&] {
+    client.wait({"n", "absent"}, 300ms);
+  });
+  CHECK_MESSAGE(contains(waited, "(missing ['absent'"), waited);
 }
 
 TEST_CASE("TCPStore TLS: a certificate from another CA is refused, on either side") {

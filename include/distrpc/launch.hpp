@@ -224,6 +224,11 @@ namespace detail::launch {
 // Lines of one stream are cut here even without a '\n', so one endless line cannot grow the
 // launcher's memory without bound.
 inline constexpr std::size_t kMaxLine = 64 * 1024;
+// Reads of 64 KiB from one pipe per wake-up of the launcher's loop, and once every rank ended
+// (what a pipe can hold: 1 MiB at most, Linux's default pipe-max-size; a process a rank left
+// behind that still writes is not waited for).
+inline constexpr int kReadsPerWake = 4;
+inline constexpr int kReadsAtEnd = 16;
 
 inline void write_all(int fd, const std::string& s) {
   const char* p = s.data();
@@ -338,14 +343,19 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
   LaunchResult result;
   result.master_port = opts.master_port != 0 ? opts.master_port : pick_free_port(opts.master_addr);
 
-  // The environment every rank shares: ours, minus what the launcher sets.
-  std::vector<std::string> names{"RANK",        "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                 "MASTER_ADDR", "MASTER_PORT"};
+  // The environment every rank shares: ours, minus what the launcher sets, and minus what an
+  // outer torchrun set for this process (run inside one, the ranks would otherwise look for its
+  // agent's store at the MASTER_PORT picked here, where no agent listens).
+  std::vector<std::string> names{"RANK",        "WORLD_SIZE",      "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                 "MASTER_ADDR", "MASTER_PORT",     "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                 "ROLE_RANK",   "ROLE_WORLD_SIZE", "ROLE_NAME"};
   for (const std::string& e : opts.env) names.push_back(env_name(e));
   std::vector<std::string> base_env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     const std::string entry = *e;
-    if (std::find(names.begin(), names.end(), env_name(entry)) == names.end()) {
+    const std::string name = env_name(entry);
+    if (std::find(names.begin(), names.end(), name) == names.end() &&
+        !name.starts_with("TORCHELASTIC_")) {
       base_env.push_back(entry);
     }
   }
@@ -371,17 +381,17 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
   for (int r = 0; r < opts.nprocs; ++r) {
     Child& c = group.children[static_cast<std::size_t>(r)];
     c.rank = r;
-    int pipes[2][2];
-    for (auto& p : pipes) {
-      // Close-on-exec everywhere: a rank inherits only its own two write ends, as 1 and 2.
+    net::Fd write_ends[2];
+    for (int s = 0; s < 2; ++s) {
+      // Close-on-exec everywhere: a rank inherits only its own two write ends, as 1 and 2. Each
+      // end is owned at once, so a failure of the second pipe closes the first.
+      int p[2];
       if (::pipe2(p, O_CLOEXEC) != 0) {
         throw LaunchError(where + "pipe() failed for rank " + std::to_string(r) + ": " +
                           net::errno_text(errno));
       }
-    }
-    net::Fd write_ends[2] = {net::Fd(pipes[0][1]), net::Fd(pipes[1][1])};
-    for (int s = 0; s < 2; ++s) {
-      c.out[s] = net::Fd(pipes[s][0]);
+      c.out[s] = net::Fd(p[0]);
+      write_ends[s] = net::Fd(p[1]);
       ::fcntl(c.out[s].get(), F_SETFL, ::fcntl(c.out[s].get(), F_GETFL) | O_NONBLOCK);
     }
     std::vector<std::string> env_s = base_env;
@@ -430,10 +440,12 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
     text += '\n';
     write_all(s == 0 ? STDOUT_FILENO : STDERR_FILENO, text);
   };
-  // Reads what the pipe holds now; at its end, delivers an unfinished last line and closes it.
-  auto drain = [&](Child& c, int s) {
+  // Reads what the pipe holds now, `reads` reads of 64 KiB at most (a rank writing faster than
+  // its lines are handled keeps the pipe full: the loop below must still get to its deadlines,
+  // reaping and other ranks); at its end, delivers an unfinished last line and closes it.
+  auto drain = [&](Child& c, int s, int reads) {
     char buf[65536];
-    while (c.out[s]) {
+    for (; c.out[s] && reads > 0; --reads) {
       const ssize_t n = ::read(c.out[s].get(), buf, sizeof buf);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
@@ -488,7 +500,7 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
       throw LaunchError(where + "poll() failed: " + net::errno_text(errno));
     }
     for (std::size_t i = 0; n > 0 && i < who.size(); ++i) {
-      if (fds[i].revents != 0) drain(*who[i].first, who[i].second);
+      if (fds[i].revents != 0) drain(*who[i].first, who[i].second, kReadsPerWake);
     }
     if (opts.stop_fd >= 0 && !stopping && n > 0 && fds.back().revents != 0) {
       result.interrupted = true;
@@ -535,8 +547,8 @@ inline LaunchResult launch_local(const std::string& program, const std::vector<s
   // Every rank ended: what they wrote is in the pipes. A process they started and left behind may
   // still hold a pipe open; its later output is not waited for.
   for (Child& c : group.children) {
-    drain(c, 0);
-    drain(c, 1);
+    drain(c, 0, kReadsAtEnd);
+    drain(c, 1, kReadsAtEnd);
     for (int s = 0; s < 2; ++s) {
       if (!c.partial[s].empty()) emit(c, s, c.partial[s]);
       c.partial[s].clear();

@@ -215,11 +215,16 @@ class ElasticProtocol {
     // The layers' handling of an old member's loss (queued when its connection broke, which may
     // be after the check above) ends before the joiner is admitted: run later, it would drop what
     // the joiner holds under that rank. The transport reports no loss of the old connections
-    // once it routes the rank to the joiner (above).
-    const auto limit = std::min(kLossNoticeLimit, agent_->options_.init_timeout);
+    // once it routes the rank to the joiner (above). That includes a member that left under the
+    // joiner's rank (no conflict any more: its connection closed when it stopped).
+    std::vector<int> gone{w.id};
     for (const auto& c : conflicts) {
+      if (c.id != w.id) gone.push_back(c.id);
+    }
+    const auto limit = std::min(kLossNoticeLimit, agent_->options_.init_timeout);
+    for (const int id : gone) {
       // The joiner gave up meanwhile (its admission timed out): it is not admitted.
-      if (!agent_->wait_loss_notices(c.id, limit) && m.left_in_store(seq)) {
+      if (!agent_->wait_loss_notices(id, limit) && m.left_in_store(seq)) {
         return {kLeaving, std::string()};
       }
     }

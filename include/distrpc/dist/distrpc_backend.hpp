@@ -556,6 +556,7 @@ class DistrpcBackend final : public Backend {
     // sequence number (-1): members send and receive different counts, and the group's number
     // must stay equal on every member (PyTorch's rule).
     auto work = std::make_shared<Work>("send", -1);
+    work->set_completing_thread(p2p_thread_.get_id());
     P2PSend s{work, t.contiguous(), dst_rank, tag};
     {
       std::lock_guard<std::mutex> lk(p2p_mu_);
@@ -776,6 +777,7 @@ class DistrpcBackend final : public Backend {
       // several threads call (every member must still call in the same order).
       const auto seq = static_cast<std::int64_t>(next_sequence_number());
       work = std::make_shared<Work>(name, seq);
+      work->set_completing_thread(executor_.get_id());
       if (spin_driver_) {
         distrpc::detail::set_wait_driver(work->get_future(),
                                          std::weak_ptr<distrpc::detail::WaitDriver>(spin_driver_));
@@ -967,6 +969,7 @@ class DistrpcBackend final : public Backend {
   Arrived take(const Op& o, int src, std::uint32_t step, std::uint32_t chunk) {
     const Key key{src, o.coll, step, chunk};
     std::unique_lock<std::mutex> lk(mu_);
+    bool drove = false;  // read on this thread since the last wait on cv_
     for (;;) {
       if (auto it = box_.find(key); it != box_.end()) {
         Arrived a = std::move(it->second);
@@ -988,8 +991,10 @@ class DistrpcBackend final : public Backend {
       }
       Clock::time_point until = o.deadline;
       if constexpr (transport::has_drive<typename T::Context>) {
-        if (options_.wait_spin.count() > 0 && first < 0) {
-          // Read on this thread for a while (the lock released: on_message takes it).
+        if (options_.wait_spin.count() > 0 && first < 0 && !drove) {
+          // Read on this thread for a while (the lock released: on_message takes it). Then
+          // everything is looked at again: a loss or a shutdown notified cv_ meanwhile, with
+          // nobody waiting on it.
           const std::uint64_t seen = arrivals_.load(std::memory_order_acquire);
           lk.unlock();
           ctx_->drive(
@@ -999,9 +1004,11 @@ class DistrpcBackend final : public Backend {
               },
               std::min(o.deadline, Clock::now() + options_.wait_spin));
           lk.lock();
-          if (box_.count(key) != 0) continue;
+          drove = true;
+          continue;
         }
       }
+      drove = false;
       if (first >= 0) {
         const auto fi = static_cast<std::size_t>(first);
         if (Clock::now() >= lost_at_[fi] + kLossGrace) {
@@ -1446,6 +1453,7 @@ class DistrpcBackend final : public Backend {
 
   std::shared_ptr<Work> post_recv(const at::Tensor& t, int src, int tag, const char* name) {
     auto work = std::make_shared<Work>(name, -1);  // no sequence number: see send()
+    work->set_completing_thread(p2p_thread_.get_id());
     {
       std::lock_guard<std::mutex> lk(p2p_mu_);
       if (stopping_)

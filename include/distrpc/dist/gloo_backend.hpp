@@ -221,6 +221,17 @@ inline std::exception_ptr as_dist_error(std::exception_ptr e) {
   }
 }
 
+// Set while a thread of gloo's own (a ProcessGroupGloo worker) completes one of our works, so
+// that user callbacks run under it: the group's destruction joins those threads, and must not
+// run on one of them.
+inline thread_local int tls_on_gloo_thread = 0;
+struct OnGlooThread {
+  OnGlooThread() { ++tls_on_gloo_thread; }
+  ~OnGlooThread() { --tls_on_gloo_thread; }
+  OnGlooThread(const OnGlooThread&) = delete;
+  OnGlooThread& operator=(const OnGlooThread&) = delete;
+};
+
 }  // namespace detail
 
 class GlooBackend : public Backend {
@@ -617,7 +628,13 @@ class GlooBackend : public Backend {
       }
       join_or_detach(w.thread);
     }
-    pg_.reset();
+    if (detail::tls_on_gloo_thread > 0) {
+      // A callback of a collective's work, on a thread of the group: ~ProcessGroupGloo joins
+      // that thread, so the group is destroyed on one of its own, once this callback returned.
+      std::thread([pg = std::move(pg_)]() mutable { pg.reset(); }).detach();
+    } else {
+      pg_.reset();
+    }
   }
 
  private:
@@ -740,6 +757,7 @@ class GlooBackend : public Backend {
     auto state = state_;
     cw->getFuture()->addCallback(
         [work, state, done = std::move(done)](c10::ivalue::Future& f) mutable {
+          const detail::OnGlooThread on_gloo_thread;
           if (f.hasError()) {
             work->finish_error(detail::as_dist_error(f.exception_ptr()));
             return;

@@ -75,6 +75,49 @@ void check_same_dtype(const Ts&... tensors) {
   (check.add(tensors), ...);
 }
 
+// The backends take complex tensors as they are, or as real views (view_as_real: the same memory
+// with a last dimension of 2, as PyTorch's front end hands them over). A call that mixes the two
+// (which SameDtype allows) goes to its backend with real views of the complex tensors, in copies
+// of the caller's lists: the results land in the caller's tensors all the same.
+inline bool any_complex(const at::Tensor& t) {
+  return t.defined() && t.is_complex();
+}
+inline bool any_complex(const std::vector<at::Tensor>& ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return any_complex(t); });
+}
+inline bool any_complex(const std::vector<std::vector<at::Tensor>>& tss) {
+  return std::any_of(tss.begin(), tss.end(), [](const auto& ts) { return any_complex(ts); });
+}
+inline bool any_real(const at::Tensor& t) {
+  return t.defined() && !t.is_complex();
+}
+inline bool any_real(const std::vector<at::Tensor>& ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return any_real(t); });
+}
+inline bool any_real(const std::vector<std::vector<at::Tensor>>& tss) {
+  return std::any_of(tss.begin(), tss.end(), [](const auto& ts) { return any_real(ts); });
+}
+template <class... Ts>
+bool mixes_complex(const Ts&... tensors) {
+  return (any_complex(tensors) || ...) && (any_real(tensors) || ...);
+}
+inline at::Tensor real_view(const at::Tensor& t) {
+  return any_complex(t) ? at::view_as_real(t) : t;
+}
+inline std::vector<at::Tensor> real_view(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(real_view(t));
+  return out;
+}
+inline std::vector<std::vector<at::Tensor>> real_view(
+    const std::vector<std::vector<at::Tensor>>& tss) {
+  std::vector<std::vector<at::Tensor>> out;
+  out.reserve(tss.size());
+  for (const auto& ts : tss) out.push_back(real_view(ts));
+  return out;
+}
+
 }  // namespace detail
 
 class ProcessGroup {
@@ -239,6 +282,11 @@ class ProcessGroup {
                                   std::vector<at::Tensor>& inputs,
                                   const AllgatherOptions& opts = {}) {
     detail::check_same_dtype(outputs, inputs);
+    if (detail::mixes_complex(outputs, inputs)) {
+      auto o = detail::real_view(outputs);
+      auto i = detail::real_view(inputs);
+      return allgather(o, i, opts);
+    }
     check_lists("allgather", "output", outputs, /*required=*/true);
     auto b = backend_for("allgather", inputs, true, &outputs);
     return b->allgather(outputs, inputs, opts);
@@ -247,6 +295,11 @@ class ProcessGroup {
                                               const AllgatherOptions& opts = {}) {
     std::vector<at::Tensor> both{output, input};
     detail::check_same_dtype(both);
+    if (detail::mixes_complex(output, input)) {
+      at::Tensor o = detail::real_view(output);
+      at::Tensor i = detail::real_view(input);
+      return allgather_into_tensor(o, i, opts);
+    }
     auto b = backend_for("allgather_into_tensor", both, /*single=*/false);
     if (output.numel() != input.numel() * size_) {
       throw std::invalid_argument("allgather_into_tensor: the output has " +
@@ -260,6 +313,11 @@ class ProcessGroup {
   std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                std::vector<at::Tensor>& inputs, const GatherOptions& opts = {}) {
     detail::check_same_dtype(outputs, inputs);
+    if (detail::mixes_complex(outputs, inputs)) {
+      auto o = detail::real_view(outputs);
+      auto i = detail::real_view(inputs);
+      return gather(o, i, opts);
+    }
     check_root("gather", "root", opts.root_rank);
     check_lists("gather", "output", outputs, /*required=*/rank_ == opts.root_rank);
     auto b = backend_for("gather", inputs, true, &outputs);
@@ -269,6 +327,11 @@ class ProcessGroup {
                                 std::vector<std::vector<at::Tensor>>& inputs,
                                 const ScatterOptions& opts = {}) {
     detail::check_same_dtype(outputs, inputs);
+    if (detail::mixes_complex(outputs, inputs)) {
+      auto o = detail::real_view(outputs);
+      auto i = detail::real_view(inputs);
+      return scatter(o, i, opts);
+    }
     check_root("scatter", "root", opts.root_rank);
     check_lists("scatter", "input", inputs, /*required=*/rank_ == opts.root_rank);
     auto b = backend_for("scatter", outputs, true, &inputs);
@@ -304,15 +367,43 @@ class ProcessGroup {
                                       const AllToAllOptions& opts = {}) {
     std::vector<at::Tensor> both{output, input};
     detail::check_same_dtype(both);
+    if (detail::mixes_complex(output, input)) {
+      at::Tensor o = detail::real_view(output);
+      at::Tensor i = detail::real_view(input);
+      return alltoall_base(o, i, std::move(output_split_sizes), std::move(input_split_sizes), opts);
+    }
     auto b = backend_for("alltoall_base", both, /*single=*/false);
     check_splits("output", output, output_split_sizes);
     check_splits("input", input, input_split_sizes);
+    // The one exchange this rank can check alone, before anything is sent: with itself. (A
+    // mismatch found later fails the collective with the group unusable, and leaves the peers
+    // that already sent waiting.)
+    const auto self_rows = [&](const at::Tensor& t, const std::vector<std::int64_t>& splits) {
+      return splits.empty() ? t.size(0) / size_ : splits[static_cast<std::size_t>(rank_)];
+    };
+    const auto row = [](const at::Tensor& t) {
+      return t.size(0) == 0 ? std::int64_t{0} : t.numel() / t.size(0);
+    };
+    const std::int64_t out_n = self_rows(output, output_split_sizes) * row(output);
+    const std::int64_t in_n = self_rows(input, input_split_sizes) * row(input);
+    if (out_n != in_n) {
+      throw std::invalid_argument("alltoall_base: rank " + std::to_string(rank_) +
+                                  " sends itself " + std::to_string(in_n) +
+                                  " elements but its output takes " + std::to_string(out_n) +
+                                  " from it (the input's and output's split sizes for rank " +
+                                  std::to_string(rank_) + " must match)");
+    }
     return b->alltoall_base(output, input, std::move(output_split_sizes),
                             std::move(input_split_sizes), opts);
   }
   std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                  const AllToAllOptions& opts = {}) {
     detail::check_same_dtype(outputs, inputs);
+    if (detail::mixes_complex(outputs, inputs)) {
+      auto o = detail::real_view(outputs);
+      auto i = detail::real_view(inputs);
+      return alltoall(o, i, opts);
+    }
     for (const auto* list : {&outputs, &inputs}) {
       if (static_cast<int>(list->size()) != size_) {
         throw std::invalid_argument(std::string("alltoall: the ") +
@@ -324,6 +415,16 @@ class ProcessGroup {
     std::vector<at::Tensor> all(outputs);
     all.insert(all.end(), inputs.begin(), inputs.end());
     auto b = backend_for("alltoall", all, /*single=*/false);
+    // What this rank sends itself must fit its own output, checked before anything is sent (see
+    // alltoall_base).
+    const auto self = static_cast<std::size_t>(rank_);
+    if (inputs[self].numel() != outputs[self].numel()) {
+      throw std::invalid_argument("alltoall: rank " + std::to_string(rank_) + " sends itself " +
+                                  std::to_string(inputs[self].numel()) + " elements (input " +
+                                  std::to_string(rank_) + ") but its output " +
+                                  std::to_string(rank_) + " holds " +
+                                  std::to_string(outputs[self].numel()));
+    }
     return b->alltoall(outputs, inputs, opts);
   }
   std::shared_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {

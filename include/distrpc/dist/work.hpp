@@ -11,6 +11,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,7 @@ class Work {
       throw std::invalid_argument("Work::wait: the timeout must not be negative, got " +
                                   std::to_string(timeout.count()) + " ms");
     }
+    check_not_on_completing_thread();
     if (timeout == kNoTimeout) {
       future_.FutureBase::wait();
     } else if (!future_.wait_for(timeout)) {
@@ -60,7 +62,10 @@ class Work {
     return future_.has_error() ? future_.exception_ptr() : nullptr;
   }
   // The output tensors; waits without limit, rethrows on failure.
-  const std::vector<at::Tensor>& result() const { return future_.value(); }
+  const std::vector<at::Tensor>& result() const {
+    check_not_on_completing_thread();
+    return future_.value();
+  }
   // Completes with the output tensors (or the error): PyTorch's Work.get_future().
   Future<std::vector<at::Tensor>> get_future() const { return future_; }
 
@@ -77,7 +82,13 @@ class Work {
     return r;
   }
 
-  // ---- For backends. Each returns false (and changes nothing) if the work is already complete,
+  // ---- For backends. The thread that runs this work and completes it (a backend with one thread
+  // for its queue), set before the work is handed out: waiting for it on that thread, from a
+  // callback of an earlier work, could never end, and throws instead.
+  void set_completing_thread(std::thread::id id) noexcept {
+    completing_thread_.store(id, std::memory_order_release);
+  }
+  // Each returns false (and changes nothing) if the work is already complete,
   // so a timeout path and a completion path may race safely. Callbacks on the future run on the
   // completing thread, after completion is published, with nothing locked.
   bool finish(std::vector<at::Tensor> outputs) { return future_.try_set_value(std::move(outputs)); }
@@ -102,8 +113,23 @@ class Work {
   }
 
  private:
+  void check_not_on_completing_thread() const {
+    if (is_completed() ||
+        completing_thread_.load(std::memory_order_acquire) != std::this_thread::get_id()) {
+      return;
+    }
+    throw std::logic_error(
+        "Work::wait: " + (op_name_.empty() ? std::string("a work") : op_name_) +
+        (sequence_number_ >= 0 ? " (sequence number " + std::to_string(sequence_number_) + ")"
+                               : std::string()) +
+        " was waited for on the thread that runs it (in a callback of another work of its "
+        "group): it could never complete. Wait on another thread, or chain it with "
+        "get_future().then()");
+  }
+
   const std::string op_name_;
   const std::int64_t sequence_number_;
+  std::atomic<std::thread::id> completing_thread_{};
   std::atomic<int> source_rank_{-1};
   Future<std::vector<at::Tensor>> future_;
 };

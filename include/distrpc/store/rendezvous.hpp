@@ -133,22 +133,25 @@ inline std::string env_or_throw(const char* name) {
 }
 
 // The variables that carry one value under each launcher, first the torchrun / PyTorch name. A
-// value is taken from the first one set.
+// value is taken from the first one set. Open MPI's come before SLURM's: mpirun run inside a
+// SLURM allocation sets its own per process, while the SLURM ones its processes see are the
+// batch step's, inherited (the same SLURM_PROCID, and SLURM_NTASKS of the allocation, in every
+// process); srun sets no OMPI_COMM_WORLD_* variable.
 struct EnvNames {
   const char* torch;
-  const char* slurm;
   const char* open_mpi;
+  const char* slurm;
 };
-inline constexpr EnvNames kRankVars{"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"};
-inline constexpr EnvNames kWorldVars{"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"};
-inline constexpr EnvNames kLocalRankVars{"LOCAL_RANK", "SLURM_LOCALID",
-                                         "OMPI_COMM_WORLD_LOCAL_RANK"};
-inline constexpr EnvNames kLocalWorldVars{"LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE",
-                                          "OMPI_COMM_WORLD_LOCAL_SIZE"};
+inline constexpr EnvNames kRankVars{"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
+inline constexpr EnvNames kWorldVars{"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"};
+inline constexpr EnvNames kLocalRankVars{"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                         "SLURM_LOCALID"};
+inline constexpr EnvNames kLocalWorldVars{"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                          "SLURM_NTASKS_PER_NODE"};
 
 // The first of `names` that is set, or null.
 inline const char* first_set(const EnvNames& names) {
-  for (const char* n : {names.torch, names.slurm, names.open_mpi}) {
+  for (const char* n : {names.torch, names.open_mpi, names.slurm}) {
     if (const char* v = std::getenv(n); v != nullptr && *v != '\0') return n;
   }
   return nullptr;
@@ -163,8 +166,8 @@ inline int env_launcher_int(const EnvNames& names, long long lo, long long hi, b
   if (!required) return -1;
   throw DistError(std::string("Error initializing distrpc using env:// rendezvous: environment "
                               "variable ") +
-                  names.torch + " expected, but not set (nor " + names.slurm + " or " +
-                  names.open_mpi + ", as srun and mpirun set)");
+                  names.torch + " expected, but not set (nor " + names.open_mpi + " or " +
+                  names.slurm + ", as mpirun and srun set)");
 }
 
 inline int env_int(const char* name, long long lo, long long hi) {

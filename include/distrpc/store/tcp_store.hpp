@@ -138,8 +138,7 @@ class TCPStore : public Store {
       opts_.port = server_->port();
     }
     name_ = "TCPStore(" + detail::host_port(opts_.host, opts_.port) + ")";
-    idle_.push_back(std::make_unique<detail::Connection>(opts_.host, opts_.port, opts_.timeout,
-                                                         secret_, tls_.get()));
+    idle_.push_back(connect(opts_.timeout));
     if (opts_.world_size > 0) {
       // c10d's registration: every store object that knows the world size adds 1 to "init/"
       // (unprefixed), which a c10d master waiting for its workers polls and ours waits on.
@@ -358,7 +357,13 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout(), secret_,
+    return connect(timeout());
+  }
+
+  // A new connection to the server, authenticated and under TLS as configured (every connection
+  // of this object, the side ones of missing() and explain_refused_add() included).
+  std::unique_ptr<detail::Connection> connect(std::chrono::milliseconds timeout) const {
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout, secret_,
                                                 tls_.get());
   }
 
@@ -401,7 +406,8 @@ class TCPStore : public Store {
   std::vector<std::string> missing(const std::vector<std::string>& keys) {
     if (keys.size() < 2) return keys;
     try {
-      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace, secret_);
+      const auto conn = connect(detail::kClientGrace);
+      auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a check after a timeout"); };
       std::vector<std::string> out;
@@ -422,7 +428,8 @@ class TCPStore : public Store {
   void explain_refused_add(const std::string& key, std::int64_t delta) {
     Bytes current;
     try {
-      detail::Connection c(opts_.host, opts_.port, detail::kClientGrace, secret_);
+      const auto conn = connect(detail::kClientGrace);
+      auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a read after a refused add"); };
       c.out().push_back(detail::kCheckByte);

@@ -149,11 +149,13 @@ struct NeedMore {};
 
 // Bounds-checked reading of one request from the bytes buffered so far. c10d's requests carry no
 // overall length, so every length and count is checked against its limit as soon as it is read
-// (WireError), and a request cut short by the buffer end throws NeedMore (the caller retries from
-// the start once more bytes came; nothing is consumed before a request is complete).
+// (WireError), and a field cut short by the buffer end throws NeedMore, leaving the reader at that
+// field's start (the caller goes on from there once more bytes came; nothing is consumed before
+// a request is complete).
 class Reader {
  public:
-  Reader(const std::uint8_t* p, std::size_t n) : p_(p), n_(n) {}
+  // Reads `p[at..n)`.
+  Reader(const std::uint8_t* p, std::size_t n, std::size_t at = 0) : p_(p), n_(n), at_(at) {}
   std::uint8_t u8() {
     need(1);
     return p_[at_++];
@@ -197,13 +199,18 @@ class Reader {
   }
 
  private:
+  // A length field and the bytes it announces, all there, or NeedMore with nothing read.
   std::size_t length(const char* what, std::size_t limit) {
+    const std::size_t start = at_;
     const auto n = le<std::uint64_t>();
     if (n > limit) {
       throw WireError(std::string("the ") + what + " length " + std::to_string(n) +
                       " is over the limit of " + std::to_string(limit) + " bytes");
     }
-    need(static_cast<std::size_t>(n));
+    if (n_ - at_ < n) {
+      at_ = start;
+      throw NeedMore{};
+    }
     return static_cast<std::size_t>(n);
   }
   void need(std::size_t k) const {

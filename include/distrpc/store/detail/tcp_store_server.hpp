@@ -158,6 +158,7 @@ class Server {
     std::vector<Bytes> values;
     std::int64_t delta = 0;
     std::uint32_t nonce = 0;
+    std::optional<std::uint64_t> count;  // of keys, for the queries that carry one, once read
   };
 
   struct Session : std::enable_shared_from_this<Session> {
@@ -350,6 +351,10 @@ class Server {
     wire::auth::Nonce client_nonce{};
     wire::auth::Nonce server_nonce{};
     std::shared_ptr<Waiter> pending;
+    // A request cut short by the end of what was read: the fields read so far, and where the next
+    // one starts, counted from the request's first byte (parse_more).
+    std::optional<Request> partial;
+    std::size_t partial_at = 0;
   };
 
   void accept_next() {
@@ -383,6 +388,13 @@ class Server {
   // NeedMore when the request is not complete yet, WireError when it breaks the protocol.
   std::size_t serve_one(Session& s, const std::uint8_t* p, std::size_t n) {
     if (secret_ && s.auth_stage < 2) return authenticate(s, p, n);
+    if (s.partial) {
+      // The rest of a request whose first fields came with earlier reads.
+      Request q = std::move(*s.partial);
+      s.partial.reset();
+      Reader r(p, n, s.partial_at);
+      return finish(s, std::move(q), r);
+    }
     Reader r(p, n);
     std::uint8_t byte = r.u8();
     if (!secret_ && s.numbering == Numbering::kUnknown && byte == kAuthByte) {
@@ -435,7 +447,19 @@ class Server {
     Request q;
     q.byte = byte;
     q.query = s.numbering == Numbering::kLegacy ? legacy_query(byte) : validated_query(byte);
-    parse(q, r);
+    return finish(s, std::move(q), r);
+  }
+
+  // Reads the rest of request `q` from `r` and serves it. Cut short, the request waits in the
+  // session with the fields read so far (and NeedMore goes on to the caller).
+  std::size_t finish(Session& s, Request q, Reader& r) {
+    try {
+      parse_more(q, r);
+    } catch (const NeedMore&) {
+      s.partial_at = r.consumed();
+      s.partial = std::move(q);
+      throw;
+    }
     if (s.pending && q.query != Query::kCancelWait) {
       // A PyTorch 1.13 client whose wait timed out goes on with its next request without
       // cancelling: the wait is abandoned. Dropping it here also spares that client a stale
@@ -502,16 +526,20 @@ class Server {
     s.hello_timer.cancel();
   }
 
-  static void parse(Request& q, Reader& r) {
+  // Reads the fields of `q` not read yet. Cut short by the end of the bytes (NeedMore), it keeps
+  // the fields it read and leaves `r` at the start of the next one, and a later call goes on from
+  // there: each field is read and copied once however the request arrives (re-reading from the
+  // start would copy a 64 MiB value again for every piece of the next one).
+  static void parse_more(Request& q, Reader& r) {
     switch (q.query) {
       case Query::kSet:
       case Query::kAppend:
-        q.keys.push_back(r.key("key"));
+        if (q.keys.empty()) q.keys.push_back(r.key("key"));
         q.values.push_back(r.bytes("value"));
         return;
       case Query::kCompareSet:
-        q.keys.push_back(r.key("key"));
-        q.values.push_back(r.bytes("expected value"));
+        if (q.keys.empty()) q.keys.push_back(r.key("key"));
+        if (q.values.empty()) q.values.push_back(r.bytes("expected value"));
         q.values.push_back(r.bytes("desired value"));
         return;
       case Query::kGet:
@@ -519,24 +547,22 @@ class Server {
         q.keys.push_back(r.key("key"));
         return;
       case Query::kAdd:
-        q.keys.push_back(r.key("key"));
+        if (q.keys.empty()) q.keys.push_back(r.key("key"));
         q.delta = r.le<std::int64_t>();
         return;
       case Query::kCheck:
       case Query::kWait:
-      case Query::kMultiGet: {
-        const auto count = r.count("key");
-        for (std::uint64_t i = 0; i < count; ++i) q.keys.push_back(r.key("key"));
+      case Query::kMultiGet:
+        if (!q.count) q.count = r.count("key");
+        while (q.keys.size() < *q.count) q.keys.push_back(r.key("key"));
         return;
-      }
-      case Query::kMultiSet: {
-        const auto count = r.count("key");
-        for (std::uint64_t i = 0; i < count; ++i) {
-          q.keys.push_back(r.key("key"));
+      case Query::kMultiSet:
+        if (!q.count) q.count = r.count("key");
+        while (q.values.size() < *q.count) {
+          if (q.keys.size() == q.values.size()) q.keys.push_back(r.key("key"));
           q.values.push_back(r.bytes("value"));
         }
         return;
-      }
       case Query::kPing:
         q.nonce = r.le<std::uint32_t>();
         return;
