@@ -23,9 +23,14 @@
 #include <vector>
 
 #include "distrpc/dist.hpp"
+#include "distrpc/dist/distrpc_backend.hpp"
 #include "distrpc/log.hpp"
 #include "distrpc/store/hash_store.hpp"
 #include "distrpc/store/tcp_store.hpp"
+#include "distrpc/transport/tcp.hpp"
+#ifdef USE_C10D_GLOO
+#include "distrpc/dist/gloo_backend.hpp"
+#endif
 #include "multiprocess.hpp"
 #include "support/error_text.hpp"
 #include "support/scoped_env.hpp"
@@ -714,6 +719,12 @@ TEST_CASE("dist front: init_process_group fails on time when a rank never arrive
 // string, and a barrier completes (PyTorch's test_init_process_group_for_all_backends).
 TEST_CASE("dist front: a world of one for every registered backend") {
   register_test_backends();
+  if (!dist::is_backend_available("distrpc")) {
+    dist::register_distrpc_backend<distrpc::transport::Tcp>();
+  }
+#ifdef USE_C10D_GLOO
+  if (!dist::is_backend_available("gloo")) dist::register_gloo_backend();
+#endif
   int tried = 0;
   for (const char* name : {"distrpc", "gloo", "dummy", "storetest"}) {
     if (!dist::is_backend_available(name)) continue;
@@ -744,7 +755,7 @@ TEST_CASE("dist front: a world of one for every registered backend") {
     dist::destroy_process_group();
     ++tried;
   }
-  CHECK(tried >= 2);
+  CHECK(tried >= 3);
 }
 
 TEST_CASE("dist front: TORCH_DISTRIBUTED_DEBUG and LOCAL_RANK tables (scenario 10)") {

@@ -417,6 +417,49 @@ DISTRPC_MP_TEST("dist optim: a step failing on owners names each, after all fini
   distrpc::shutdown();
 }
 
+// In a dynamic group, an owner that left cannot be called at all (the call is refused before it is
+// sent): its part fails, named, and every other owner, this worker included, still steps.
+DISTRPC_MP_TEST("dist optim: an owner that left the group fails its part; the others step", 3, 90) {
+  RpcBackendOptions o;
+  o.init_method = file_url(ctx, "dynamic");
+  if (ctx.rank > 0) (void)ctx.lookup("joined" + std::to_string(ctx.rank - 1), 60s);
+  distrpc::testing::init_rpc_dynamic_under_test("worker" + std::to_string(ctx.rank), ctx.rank, o);
+  ctx.publish("joined" + std::to_string(ctx.rank), "1");
+  (void)ctx.lookup("joined2", 60s);
+  if (ctx.rank == 1) {
+    (void)ctx.lookup("built", 60s);
+    // Its parameter and optimizer part are still held by worker0: reported at the leave.
+    try {
+      distrpc::shutdown();
+    } catch (const std::exception& e) {
+      MESSAGE("worker1 left: " << e.what());
+    }
+    ctx.publish("left1", "1");
+    return;
+  }
+  if (ctx.rank == 0) {
+    auto p1 = distrpc::remote<&optim_test::make_tensor>("worker1", std::vector<float>{1, 2}, true);
+    auto p2 = distrpc::remote<&optim_test::make_tensor>("worker2", std::vector<float>{3}, true);
+    RRef<at::Tensor> p0(at::tensor({4.0f}).requires_grad_(true));
+    DistributedOptimizer<torch::optim::SGD> opt({p1, p0, p2}, torch::optim::SGDOptions(0.5));
+    ctx.publish("built", "1");
+    (void)ctx.lookup("left1", 60s);
+    distrpc::dist_autograd::Context c;
+    const at::Tensor loss = distrpc::rpc_sync<&optim_test::scaled_sum>("worker2", p2, 2.0) +
+                            (p0.local_value() * 3).sum();
+    distrpc::dist_autograd::backward(c.id(), {loss});
+    const std::string text = error_of([&] { opt.step(c.id()); });
+    CHECK_MESSAGE(contains(text, "DistributedOptimizer step on worker1 failed: "), text);
+    CHECK_MESSAGE(contains(text, "worker1"), text);
+    // The others stepped: 3 - 0.5 * 2 on worker2, 4 - 0.5 * 3 here.
+    CHECK(at::equal(p2.to_here().detach(), at::tensor({2.0f})));
+    CHECK(at::equal(p0.local_value().detach(), at::tensor({2.5f})));
+  }
+  ctx.publish("done" + std::to_string(ctx.rank), "1");
+  (void)ctx.lookup("done" + std::to_string(2 - ctx.rank), 60s);
+  distrpc::shutdown();
+}
+
 namespace {
 
 // The model of the training case: x -> lin1 (worker1) -> relu -> lin2 (worker2) -> * w (the

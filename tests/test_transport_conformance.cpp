@@ -19,6 +19,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -713,6 +715,45 @@ void shutdown_in_flight_scenario() {
   CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 9, "after")), DistNetworkError);
 }
 
+// The owner shuts a Context down while a callback on one of its threads calls shutdown() too (a
+// layer that stops on a message): the callback's call returns at once (the owner's joins that
+// thread, so waiting for it would leave both waiting for ever), and the owner's completes.
+template <class P>
+void shutdown_from_callback_during_shutdown_scenario() {
+  NodeOf<P> a(0);
+  std::atomic<bool> in_callback{false}, owner_in{false}, callback_returned{false};
+  std::atomic<typename P::Context*> self{nullptr};
+  TransportCallbacks cb;
+  cb.on_message = [&](int, Message&&) {
+    if (in_callback.exchange(true)) return;  // the first message only
+    while (!owner_in.load()) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(100ms);  // the owner is inside shutdown() by now
+    self.load()->shutdown();
+    callback_returned = true;
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  auto b = std::make_unique<typename P::Context>(options_for(1), cb);
+  self = b.get();
+  a.ctx->add_peer(1, "w1", b->address());
+  b->add_peer(0, "w0", a.ctx->address());
+  a.ctx->send(1, make_message(MessageType::Request, 1, "stop"));
+  for (const auto until = Clock::now() + 10s; !in_callback.load() && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(in_callback.load());
+  auto done = std::async(std::launch::async, [&] {
+    owner_in = true;
+    b->shutdown();
+  });
+  if (done.wait_for(20s) != std::future_status::ready) {
+    // Stuck for good (the future would wait for it when destroyed): fail the process.
+    std::fprintf(stderr, "shutdown() from the owner and from a callback: stuck for 20 s\n");
+    std::_Exit(3);
+  }
+  CHECK(callback_returned.load());
+  a.ctx->shutdown();
+}
+
 // ---- leader/follower and drive() (scenarios in support/transport_test_util.hpp) ---------------
 
 template <class P>
@@ -803,6 +844,8 @@ DISTRPC_CONFORMANCE("each failure kind raises the same exception type in every p
                     failure_types_scenario)
 DISTRPC_CONFORMANCE("shutdown with traffic in flight does not hang, and no callback follows it",
                     shutdown_in_flight_scenario)
+DISTRPC_CONFORMANCE("shutdown from a callback while the owner shuts down: neither waits for ever",
+                    shutdown_from_callback_during_shutdown_scenario)
 
 // Leader/follower (transport.hpp InlineScope) and drive().
 DISTRPC_CONFORMANCE("a handed-back task runs on the reading thread without blocking reading",

@@ -329,8 +329,15 @@ class DistributedOptimizer {
     std::exception_ptr local_error;
     for (auto& g : groups) {
       if (g.owner.id == self.id) continue;
-      pending.push_back(::distrpc::rpc_async<&detail::new_local_optimizer<Opt>>(
-          g.owner, g.params, g.positions, wire_options));
+      // A call refused before it is sent (an owner that left the group) fails like a failed reply:
+      // the builds already sent are still awaited.
+      try {
+        pending.push_back(::distrpc::rpc_async<&detail::new_local_optimizer<Opt>>(
+            g.owner, g.params, g.positions, wire_options));
+      } catch (...) {
+        pending.push_back(::distrpc::make_exceptional_future<RRef<LocalOptimizer<Opt>>>(
+            std::current_exception()));
+      }
       pending_owner.push_back(g.owner);
     }
     for (auto& g : groups) {
@@ -362,7 +369,12 @@ class DistributedOptimizer {
     std::vector<Future<void>> pending;
     pending.reserve(remotes_.size());
     for (const auto& r : remotes_) {
-      pending.push_back(r.optimizer.template rpc_async<&LocalOptimizer<Opt>::step>(context_id));
+      // An owner that cannot be called (it left the group) fails its part; the others still step.
+      try {
+        pending.push_back(r.optimizer.template rpc_async<&LocalOptimizer<Opt>::step>(context_id));
+      } catch (...) {
+        pending.push_back(::distrpc::make_exceptional_future<void>(std::current_exception()));
+      }
     }
     std::vector<std::pair<std::string, std::string>> failures;  // worker, reason
     if (local_.valid()) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -170,6 +171,17 @@ inline void mark_transport_thread() {
 inline bool on_transport_thread() {
   return detail::transport_thread || detail::inline_slot != nullptr;
 }
+namespace detail {
+// shutdown()'s lock, for a policy whose Context has one. On a transport thread (a callback that
+// stops the Context) while another thread is already shutting it down, it does not wait: that
+// thread joins this one, so waiting here would leave both waiting for ever. The lock is then not
+// owned, and shutdown() returns at once (the other thread completes it).
+inline std::unique_lock<std::mutex> lock_for_shutdown(std::mutex& mu) {
+  if (!on_transport_thread()) return std::unique_lock<std::mutex>(mu);
+  return std::unique_lock<std::mutex>(mu, std::try_to_lock);
+}
+}  // namespace detail
+
 // True inside a library task that a waiting caller runs for the transport (run_library_here()).
 inline bool in_wait_driver() {
   return detail::wait_driver_thread;

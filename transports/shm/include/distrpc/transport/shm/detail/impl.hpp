@@ -119,8 +119,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // this Impl (its shared_ptr) and, when its task returns, takes the lead, meets `stopping_` and
   // exits without touching a ring or a socket.
   std::size_t shutdown(Clock::time_point deadline) {
-    std::lock_guard<std::mutex> guard(shutdown_mu_);
-    if (shut_down_) return 0;
+    const auto guard = transport::detail::lock_for_shutdown(shutdown_mu_);
+    if (!guard.owns_lock() || shut_down_) return 0;
     std::vector<std::shared_ptr<OutConn>> outs;
     {
       std::lock_guard<std::mutex> lk(mu_);
