@@ -43,6 +43,7 @@ class SameDtype {
  public:
   void add(const at::Tensor& t) {
     if (!t.defined()) return;  // undefined tensors are refused by the callers with their own text
+    (t.is_complex() ? saw_complex_ : saw_real_) = true;
     const at::ScalarType real = at::isComplexType(t.scalar_type())
                                     ? c10::toRealValueType(t.scalar_type())
                                     : t.scalar_type();
@@ -63,46 +64,31 @@ class SameDtype {
   void add(const std::vector<std::vector<at::Tensor>>& tss) {
     for (const auto& ts : tss) add(ts);
   }
+  // Complex tensors beside real ones (of their real dtype, else add() threw).
+  bool mixes_complex() const { return saw_complex_ && saw_real_; }
 
  private:
   at::Tensor first_;
   at::ScalarType first_real_ = at::ScalarType::Undefined;
+  bool saw_complex_ = false;
+  bool saw_real_ = false;
 };
 
+// Throws unless the tensors share one dtype (SameDtype); returns whether they mix complex
+// tensors with real ones, which the callers then hand over as real views (real_view()).
 template <class... Ts>
-void check_same_dtype(const Ts&... tensors) {
+bool check_same_dtype(const Ts&... tensors) {
   SameDtype check;
   (check.add(tensors), ...);
+  return check.mixes_complex();
 }
 
 // The backends take complex tensors as they are, or as real views (view_as_real: the same memory
 // with a last dimension of 2, as PyTorch's front end hands them over). A call that mixes the two
-// (which SameDtype allows) goes to its backend with real views of the complex tensors, in copies
-// of the caller's lists: the results land in the caller's tensors all the same.
-inline bool any_complex(const at::Tensor& t) {
-  return t.defined() && t.is_complex();
-}
-inline bool any_complex(const std::vector<at::Tensor>& ts) {
-  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return any_complex(t); });
-}
-inline bool any_complex(const std::vector<std::vector<at::Tensor>>& tss) {
-  return std::any_of(tss.begin(), tss.end(), [](const auto& ts) { return any_complex(ts); });
-}
-inline bool any_real(const at::Tensor& t) {
-  return t.defined() && !t.is_complex();
-}
-inline bool any_real(const std::vector<at::Tensor>& ts) {
-  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return any_real(t); });
-}
-inline bool any_real(const std::vector<std::vector<at::Tensor>>& tss) {
-  return std::any_of(tss.begin(), tss.end(), [](const auto& ts) { return any_real(ts); });
-}
-template <class... Ts>
-bool mixes_complex(const Ts&... tensors) {
-  return (any_complex(tensors) || ...) && (any_real(tensors) || ...);
-}
+// (check_same_dtype() says so) goes to its backend with real views of the complex tensors, in
+// copies of the caller's lists: the results land in the caller's tensors all the same.
 inline at::Tensor real_view(const at::Tensor& t) {
-  return any_complex(t) ? at::view_as_real(t) : t;
+  return t.defined() && t.is_complex() ? at::view_as_real(t) : t;
 }
 inline std::vector<at::Tensor> real_view(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
@@ -281,8 +267,7 @@ class ProcessGroup {
   std::shared_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs,
                                   const AllgatherOptions& opts = {}) {
-    detail::check_same_dtype(outputs, inputs);
-    if (detail::mixes_complex(outputs, inputs)) {
+    if (detail::check_same_dtype(outputs, inputs)) {
       auto o = detail::real_view(outputs);
       auto i = detail::real_view(inputs);
       return allgather(o, i, opts);
@@ -294,8 +279,7 @@ class ProcessGroup {
   std::shared_ptr<Work> allgather_into_tensor(at::Tensor& output, at::Tensor& input,
                                               const AllgatherOptions& opts = {}) {
     std::vector<at::Tensor> both{output, input};
-    detail::check_same_dtype(both);
-    if (detail::mixes_complex(output, input)) {
+    if (detail::check_same_dtype(both)) {
       at::Tensor o = detail::real_view(output);
       at::Tensor i = detail::real_view(input);
       return allgather_into_tensor(o, i, opts);
@@ -312,8 +296,7 @@ class ProcessGroup {
   }
   std::shared_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                std::vector<at::Tensor>& inputs, const GatherOptions& opts = {}) {
-    detail::check_same_dtype(outputs, inputs);
-    if (detail::mixes_complex(outputs, inputs)) {
+    if (detail::check_same_dtype(outputs, inputs)) {
       auto o = detail::real_view(outputs);
       auto i = detail::real_view(inputs);
       return gather(o, i, opts);
@@ -326,8 +309,7 @@ class ProcessGroup {
   std::shared_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
                                 std::vector<std::vector<at::Tensor>>& inputs,
                                 const ScatterOptions& opts = {}) {
-    detail::check_same_dtype(outputs, inputs);
-    if (detail::mixes_complex(outputs, inputs)) {
+    if (detail::check_same_dtype(outputs, inputs)) {
       auto o = detail::real_view(outputs);
       auto i = detail::real_view(inputs);
       return scatter(o, i, opts);
@@ -366,8 +348,7 @@ class ProcessGroup {
                                       std::vector<std::int64_t> input_split_sizes,
                                       const AllToAllOptions& opts = {}) {
     std::vector<at::Tensor> both{output, input};
-    detail::check_same_dtype(both);
-    if (detail::mixes_complex(output, input)) {
+    if (detail::check_same_dtype(both)) {
       at::Tensor o = detail::real_view(output);
       at::Tensor i = detail::real_view(input);
       return alltoall_base(o, i, std::move(output_split_sizes), std::move(input_split_sizes), opts);
@@ -398,8 +379,7 @@ class ProcessGroup {
   }
   std::shared_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                  const AllToAllOptions& opts = {}) {
-    detail::check_same_dtype(outputs, inputs);
-    if (detail::mixes_complex(outputs, inputs)) {
+    if (detail::check_same_dtype(outputs, inputs)) {
       auto o = detail::real_view(outputs);
       auto i = detail::real_view(inputs);
       return alltoall(o, i, opts);
