@@ -542,6 +542,43 @@ TEST_CASE("distrpc backend: a member killed with SIGKILL fails the others within
   }
 }
 
+// A member that shut its backend down after doing its part of a collective (a reduce's sender)
+// does not fail the members still finishing it: the root still waiting for a slow member
+// completes. The next collective, which it will never join, fails at once, naming it.
+DISTRPC_MP_TARGET("distrpc backend target: a member shut down after its part") {
+  auto b = make_backend<Tcp>(ctx, 30s);
+  REQUIRE(b->barrier()->wait());
+  if (ctx.rank == 2) std::this_thread::sleep_for(700ms);  // longer than the grace after a loss
+  std::vector<at::Tensor> t{at::full({4}, static_cast<float>(ctx.rank + 1))};
+  distrpc::dist::ReduceOptions ro;
+  ro.root_rank = 0;
+  CHECK(error_of(b->reduce(t, ro)) == "");
+  if (ctx.rank == 0) CHECK(at::equal(t[0], at::full({4}, 6.0f)));
+  if (ctx.rank == 1) {
+    b->shutdown();
+    ctx.publish("left", "1");
+    return;
+  }
+  (void)ctx.lookup("left");
+  std::vector<at::Tensor> x{at::ones({4})};
+  const auto t0 = Clock::now();
+  const std::string err = error_of(b->allreduce(x));
+  MESSAGE("rank " << ctx.rank << ": " << err << " after " << ms_since(t0) << " ms");
+  CHECK(err == "DistrpcBackend: allreduce (sequence number 3) failed on rank " +
+                   std::to_string(ctx.rank) + ": rank 1 left the group (it shut its backend down)");
+  CHECK(ms_since(t0) < 200);  // less than the grace a loss without a goodbye waits
+  survivors_meet(ctx, 1);
+}
+
+TEST_CASE("distrpc backend: a member that shut down fails only the collectives after its last") {
+  RunOptions o;
+  o.world = 3;
+  o.limit = 60s;
+  const auto r =
+      distrpc::testing::run_ranks("distrpc backend target: a member shut down after its part", o);
+  CHECK_MESSAGE(r.ok, r.report());
+}
+
 // TORCH_DISTRIBUTED_DEBUG=DETAIL: a fingerprint mismatch names both sides.
 DISTRPC_MP_TARGET("distrpc backend target: detail mismatch") {
   auto b = make_backend<Tcp>(ctx, 20s);

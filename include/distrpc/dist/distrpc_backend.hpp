@@ -20,13 +20,16 @@
 // holds up the collectives (and the reverse). Works complete on those threads with no lock held.
 //
 // Failure: a collective needs every member, so a lost peer (its connection broke) fails the
-// collective in progress and every later one, naming the peer. A collective that does not complete
-// within its timeout fails with "Timeout", naming the operation, its sequence number and the ranks
-// this member had heard nothing from. After either (or any other failure inside a collective: a
-// size mismatch, a DETAIL fingerprint mismatch), the members' message streams no longer line up, so
-// every later collective fails at once with a text saying why, instead of pairing the wrong
-// messages; PyTorch aborts the group in the same situation. Point-to-point calls keep working with
-// peers that are still there.
+// collective in progress and every later one, naming the peer. A member that shuts its backend
+// down first tells the others the last collective it completed (Goodbye, after all its messages
+// on the same connection): its leaving then fails only the later collectives, at once, and a
+// member still finishing an earlier one (a barrier's slowest member) is not failed by it. A
+// collective that does not complete within its timeout fails with "Timeout", naming the operation,
+// its sequence number and the ranks this member had heard nothing from. After either (or any other
+// failure inside a collective: a size mismatch, a DETAIL fingerprint mismatch), the members'
+// message streams no longer line up, so every later collective fails at once with a text saying
+// why, instead of pairing the wrong messages; PyTorch aborts the group in the same situation.
+// Point-to-point calls keep working with peers that are still there.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +42,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,6 +50,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -93,8 +98,9 @@ struct DistrpcBackendOptions {
 
 namespace detail {
 
-// The control kinds this backend uses on its own transport (no agent shares it).
-enum class DistrpcKind : std::uint8_t { Hello = 0, Collective = 1, P2P = 2 };
+// The control kinds this backend uses on its own transport (no agent shares it). Goodbye: sent by
+// a member's shutdown(), with the number of the last collective it completed in `coll`.
+enum class DistrpcKind : std::uint8_t { Hello = 0, Collective = 1, P2P = 2, Goodbye = 3 };
 
 // The header of every message, in the payload. coll: the collective's number (1, 2, ...; 0 for
 // hello and point-to-point); region_bytes: the size of the whole region the chunk belongs to, so a
@@ -183,6 +189,8 @@ class DistrpcBackend final : public Backend {
   // sent them before closing). Waiting this long lets them land first, and lets the peer lost first
   // be the one named when a loss makes others leave too.
   static constexpr std::chrono::milliseconds kLossGrace{250};
+  // How long shutdown() waits for its goodbyes to be sent (see say_goodbye).
+  static constexpr std::chrono::milliseconds kGoodbyeWait{1000};
 
  public:
   // Meets the other members through `store` (see the top of this file); throws DistBackendError
@@ -210,6 +218,7 @@ class DistrpcBackend final : public Backend {
     options_.chunk_bytes = (options_.chunk_bytes + 63) / 64 * 64;
     lost_.assign(static_cast<std::size_t>(size), std::string());
     lost_at_.assign(static_cast<std::size_t>(size), Clock::time_point{});
+    left_after_.assign(static_cast<std::size_t>(size), -1);
     transport::TransportOptions to;
     to.self_id = rank;
     to.self_name = "rank" + std::to_string(rank);
@@ -632,6 +641,7 @@ class DistrpcBackend final : public Backend {
       left_->store(std::this_thread::get_id(), std::memory_order_release);
     }
     join_or_detach(watchdog);
+    say_goodbye();
     // The transport first: a thread blocked in send() (back-pressure) returns with an error.
     ctx_->shutdown();
     // A Work callback that shuts the backend down runs on one of these threads: it cannot join
@@ -890,7 +900,7 @@ class DistrpcBackend final : public Backend {
       try {
         if (detail_ && size() > 1) check_fingerprint(task.op, task.fingerprint);
         std::vector<at::Tensor> out = task.body(task.op);
-        forget(task.op.coll);
+        forget(task.op);
         task.work->finish(std::move(out));
         if (has_left(gone)) return;
       } catch (...) {
@@ -916,9 +926,16 @@ class DistrpcBackend final : public Backend {
     }
   }
 
-  // Drops what is left of a finished collective (nothing, when every member agreed on sizes).
-  void forget(std::uint64_t coll) {
+  // Drops what is left of a finished collective (nothing, when every member agreed on sizes) and
+  // records it as the last one completed (what Goodbye tells the others). After the goodbye told
+  // them an earlier one, it fails here too, as it does on the others.
+  void forget(const Op& o) {
+    const std::uint64_t coll = o.coll;
     std::lock_guard<std::mutex> lk(mu_);
+    if (goodbye_sent_) {
+      throw DistBackendError("DistrpcBackend: " + o.what() + " failed: the backend was shut down");
+    }
+    done_through_ = coll;
     heard_.erase(coll);
     for (auto it = box_.begin(); it != box_.end();) {
       it = it->first.coll == coll ? box_.erase(it) : std::next(it);
@@ -949,10 +966,15 @@ class DistrpcBackend final : public Backend {
     } catch (const std::exception& e) {
       // A send fails when the peer is gone: say so as a wait for it would.
       std::string lost;
+      std::int64_t left_after = -1;
       {
         std::lock_guard<std::mutex> lk(mu_);
         lost = lost_[static_cast<std::size_t>(peer)];
+        left_after = left_after_[static_cast<std::size_t>(peer)];
       }
+      // It completed this collective before it left: it needed nothing more from this member.
+      if (left_after >= 0 && static_cast<std::uint64_t>(left_after) >= o.coll) return;
+      if (left_after >= 0) throw DistBackendError(left_text(o, peer));
       if (!lost.empty()) {
         throw DistBackendError("DistrpcBackend: " + o.what() + " failed on rank " +
                                std::to_string(rank()) + ": connection to rank " +
@@ -980,11 +1002,19 @@ class DistrpcBackend final : public Backend {
         throw DistBackendError("DistrpcBackend: " + o.what() +
                                " failed: the backend was shut down");
       }
+      // A member that left before this collective will not take part in it. One that left after
+      // completing it sent all its messages for it first: its leaving does not concern this wait.
+      for (int q = 0; q < size(); ++q) {
+        const std::int64_t after = left_after_[static_cast<std::size_t>(q)];
+        if (after >= 0 && static_cast<std::uint64_t>(after) < o.coll) {
+          throw DistBackendError(left_text(o, q));
+        }
+      }
       // The member lost first is the one to name: the others may only be leaving because of it.
       int first = -1;
       for (int q = 0; q < size(); ++q) {
         const auto qi = static_cast<std::size_t>(q);
-        if (!lost_[qi].empty() &&
+        if (!lost_[qi].empty() && (q == src || left_after_[qi] < 0) &&
             (first < 0 || lost_at_[qi] < lost_at_[static_cast<std::size_t>(first)])) {
           first = q;
         }
@@ -1023,6 +1053,53 @@ class DistrpcBackend final : public Backend {
         throw DistBackendError(timeout_text(o, src));
       }
     }
+  }
+
+  std::string left_text(const Op& o, int peer) const {
+    return "DistrpcBackend: " + o.what() + " failed on rank " + std::to_string(rank()) + ": rank " +
+           std::to_string(peer) + " left the group (it shut its backend down)";
+  }
+
+  // Tells every peer still connected the last collective this member completed (see the top of
+  // this file). Its sends are in order behind the collectives' own. A peer that does not read
+  // (stopped, its socket buffer full) would block a send for ever: the sends run on a thread of
+  // their own, given a second, then ended by the transport's shutdown.
+  void say_goodbye() {
+    if (size() == 1) return;
+    Header h;
+    h.kind = static_cast<std::uint8_t>(detail::DistrpcKind::Goodbye);
+    std::vector<int> peers;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!broken_.empty()) return;  // the others fail on their own; nothing to vouch for
+      h.coll = done_through_;
+      goodbye_sent_ = true;
+      for (int q = 0; q < size(); ++q) {
+        if (q != rank() && lost_[static_cast<std::size_t>(q)].empty()) peers.push_back(q);
+      }
+    }
+    if (peers.empty()) return;
+    std::packaged_task<void()> sends([this, h, peers] {
+      for (const int q : peers) {
+        try {
+          ctx_->send(q, make_message(detail::DistrpcKind::Goodbye, h, at::Tensor()));
+        } catch (const std::exception&) {
+          // Gone already: its loss is what the others see, as without a goodbye.
+        }
+      }
+    });
+    std::future<void> done = sends.get_future();
+    std::thread sender;
+    try {
+      sender = std::thread(std::move(sends));
+    } catch (const std::system_error&) {
+      return;  // no thread to be had: the others see the loss, as without a goodbye
+    }
+    (void)done.wait_for(kGoodbyeWait);
+    if (done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      ctx_->shutdown();  // ends the blocked send
+    }
+    sender.join();
   }
 
   // With mu_ held: the other ranks no message of collective coll came from ("1, 3").
@@ -1384,6 +1461,16 @@ class DistrpcBackend final : public Backend {
       p2p_cv_.notify_all();
       return;
     }
+    if (h.kind == static_cast<std::uint8_t>(detail::DistrpcKind::Goodbye)) {
+      if (peer < 0 || peer >= size()) return;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        left_after_[static_cast<std::size_t>(peer)] = static_cast<std::int64_t>(h.coll);
+        arrivals_.fetch_add(1, std::memory_order_release);  // ends a take() reading in drive()
+      }
+      cv_.notify_all();
+      return;
+    }
     {
       std::lock_guard<std::mutex> lk(mu_);
       // After a failure no collective runs again: nothing is kept for one (the meeting's hellos,
@@ -1406,6 +1493,7 @@ class DistrpcBackend final : public Backend {
         slot = why.empty() ? "connection closed" : why;
         lost_at_[static_cast<std::size_t>(peer)] = Clock::now();
       }
+      arrivals_.fetch_add(1, std::memory_order_release);  // ends a take() reading in drive()
     }
     cv_.notify_all();
     p2p_cv_.notify_all();
@@ -1635,6 +1723,9 @@ class DistrpcBackend final : public Backend {
   std::vector<Clock::time_point> lost_at_;        // per rank: when on_peer_lost said so
   std::vector<std::string> lost_;                 // per rank: why its connection broke (also read
                                                   // under p2p_mu_; written under both)
+  std::vector<std::int64_t> left_after_;  // per rank: its Goodbye's collective, -1 before one
+  std::uint64_t done_through_ = 0;        // the last collective this member completed
+  bool goodbye_sent_ = false;             // done_through_ was told: no later one completes
   bool stopping_ = false;                         // written under both mutexes
   std::atomic<bool> stopping_flag_{false};        // the same, for drive()'s predicate
   std::atomic<std::uint64_t> arrivals_{0};        // messages filed: drive()'s predicate
