@@ -715,6 +715,52 @@ void shutdown_in_flight_scenario() {
   CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 9, "after")), DistNetworkError);
 }
 
+// A thread reading in drive() (a caller polling for its reply) is inside a callback when the
+// owner shuts the Context down: shutdown() returns only after that callback did, so no callback
+// runs after it (the owner may free what callbacks use), and the thread leaves drive().
+template <class P>
+void shutdown_waits_for_drive_scenario() {
+  if constexpr (distrpc::transport::has_drive<typename P::Context>) {
+    NodeOf<P> a(0);
+    std::atomic<bool> shut{false};
+    std::atomic<int> late{0};
+    std::atomic<bool> held{false};  // the driving thread is inside a callback
+    std::atomic<bool> stop{false};
+    std::promise<std::thread::id> driver_id;
+    std::shared_future<std::thread::id> driver = driver_id.get_future().share();
+    TransportCallbacks cb;
+    cb.on_message = [&](int, Message&&) {
+      if (std::this_thread::get_id() == driver.get() && !held.exchange(true)) {
+        std::this_thread::sleep_for(200ms);
+      }
+      if (shut.load()) ++late;
+    };
+    cb.on_peer_lost = [&](int, const std::string&) {
+      if (shut.load()) ++late;
+    };
+    auto b = receiver_for(a, cb);
+    std::thread driving([&] {
+      driver_id.set_value(std::this_thread::get_id());
+      while (!stop.load()) b->drive([&] { return stop.load(); }, Clock::now() + 50ms);
+    });
+    driver.wait();
+    // Lone messages until the driving thread reads one (the reading threads read the others).
+    for (std::uint64_t id = 1; !held.load() && id <= 20000; ++id) {
+      a.ctx->send(1, make_message(MessageType::Response, id, "m"));
+      std::this_thread::sleep_for(1ms);
+    }
+    REQUIRE(held.load());
+    const auto t0 = Clock::now();
+    b->shutdown();
+    shut = true;
+    CHECK(Clock::now() - t0 < 2s);
+    stop = true;
+    driving.join();
+    a.ctx->shutdown();
+    CHECK(late == 0);
+  }
+}
+
 // The owner shuts a Context down while a callback on one of its threads calls shutdown() too (a
 // layer that stops on a message): the callback's call returns at once (the owner's joins that
 // thread, so waiting for it would leave both waiting for ever), and the owner's completes.
@@ -846,6 +892,8 @@ DISTRPC_CONFORMANCE("shutdown with traffic in flight does not hang, and no callb
                     shutdown_in_flight_scenario)
 DISTRPC_CONFORMANCE("shutdown from a callback while the owner shuts down: neither waits for ever",
                     shutdown_from_callback_during_shutdown_scenario)
+DISTRPC_CONFORMANCE("shutdown waits for a thread in drive(): no callback runs after it returns",
+                    shutdown_waits_for_drive_scenario)
 
 // Leader/follower (transport.hpp InlineScope) and drive().
 DISTRPC_CONFORMANCE("a handed-back task runs on the reading thread without blocking reading",

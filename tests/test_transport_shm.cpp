@@ -482,6 +482,92 @@ DISTRPC_MP_TARGET("shm target: rank 1 dies mid-transfer") {
   CHECK(same_bytes(first.buffers[0], pattern_bytes(16 << 20, 3)));
 }
 
+// A record over the receiver's limits from a peer that exits right after sending it, seen by the
+// reading thread as a hang-up first: it then reads the bad record while draining what the peer
+// left. It must drop the connection once and go on reading the other peers (it re-read the
+// failed record for ever, holding the lead: nothing was read again and shutdown never returned).
+// The order is forced: the reading thread is held in a callback for another peer's ring (after
+// the sender's in its pass) while the record and the hang-up arrive. A process of its own, so a
+// hang ends at the run's limit instead of stalling the suite.
+DISTRPC_MP_TARGET("shm target: an oversize record from a peer that exits at once") {
+  TransportOptions o = options_for(1);
+  o.limits.max_payload_bytes = 1000;
+  Inbox inbox;
+  const TransportCallbacks inner = inbox.callbacks();
+  TransportCallbacks cb;
+  cb.on_message = [&](int peer, Message&& m) {
+    if (m.payload == "hold") std::this_thread::sleep_for(300ms);
+    inner.on_message(peer, std::move(m));
+  };
+  cb.on_peer_lost = inner.on_peer_lost;
+  Shm::Context b(o, cb);
+  std::size_t messages = 0;
+  std::size_t losses = 0;
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    const int id = 10 + round;
+    auto a = std::make_unique<ShmNode>(id);
+    a->ctx->add_peer(1, "w1", b.address());
+    b.add_peer(id, "w" + std::to_string(id), a->ctx->address());
+    a->ctx->send(1, make_message(MessageType::Request, 1, "first"));  // its ring is read first
+    REQUIRE(inbox.wait_messages(++messages, 2s));
+    ShmNode c(20 + round);
+    c.ctx->add_peer(1, "w1", b.address());
+    b.add_peer(20 + round, "w" + std::to_string(20 + round), c.ctx->address());
+    c.ctx->send(1, make_message(MessageType::Request, 2, "hold"));
+    std::this_thread::sleep_for(100ms);  // the reading thread is in the callback now
+    a->ctx->send(1, make_message(MessageType::Request, 3, std::string(5000, 'x')));
+    a.reset();                                     // its connections close right behind the record
+    REQUIRE(inbox.wait_messages(++messages, 2s));  // "hold"
+    REQUIRE(inbox.wait_lost(++losses, 2s));
+    CHECK(inbox.lost.back().first == id);
+    CHECK(contains(inbox.lost.back().second, "5000"));
+    // The other peer is still read.
+    c.ctx->send(1, make_message(MessageType::Request, 4, "still read"));
+    REQUIRE(inbox.wait_messages(++messages, 2s));
+    c.ctx->shutdown();
+    REQUIRE(inbox.wait_lost(++losses, 2s));
+  }
+  const auto t0 = Clock::now();
+  b.shutdown();
+  CHECK(Clock::now() - t0 < 2s);
+}
+
+// A message at limits that are not a multiple of the segment granule (1 MiB): its segment is
+// rounded up past max_message_bytes, which the receiver took for a violation and dropped the
+// connection. Two buffers add alignment padding on top.
+TEST_CASE("shm: a message at a limit that is not a multiple of 1 MiB arrives") {
+  TransportOptions o0 = options_for(0);
+  TransportOptions o1 = options_for(1);
+  o0.limits.max_message_bytes = o1.limits.max_message_bytes = (3 << 20) / 2;  // 1.5 MiB
+  ShmNode a(o0), b(o1);
+  introduce(a, 0, b, 1);
+  const at::Tensor one = pattern_bytes((3 << 20) / 2 - 10, 1);
+  a.ctx->send(1, make_message(MessageType::Request, 1, "0123456789", {one}));
+  const at::Tensor x = pattern_bytes(700001, 2);
+  const at::Tensor y = pattern_bytes((3 << 20) / 2 - 700001 - 3, 3);
+  a.ctx->send(1, make_message(MessageType::Request, 2, "abc", {x, y}));
+  REQUIRE(b.inbox.wait_messages(2, 5s));
+  CHECK(b.inbox.lost.empty());
+  const Message m1 = b.inbox.take(0);
+  REQUIRE(m1.buffers.size() == 1);
+  CHECK(same_bytes(m1.buffers[0], one));
+  const Message m2 = b.inbox.take(1);
+  REQUIRE(m2.buffers.size() == 2);
+  CHECK(same_bytes(m2.buffers[0], x));
+  CHECK(same_bytes(m2.buffers[1], y));
+}
+
+TEST_CASE(
+    "shm: an oversize record from a peer that exits at once is dropped once; reading goes on") {
+  distrpc::testing::RunOptions o;
+  o.world = 1;
+  o.limit = 60s;
+  const auto r = distrpc::testing::run_ranks(
+      "shm target: an oversize record from a peer that exits at once", o);
+  CHECK_MESSAGE(r.ok, r.report());
+}
+
 TEST_CASE("shm: a peer SIGKILLed or crashing mid-transfer is lost within 2 s; nothing is left") {
   const auto shm_before = dev_shm_entries();
   for (const bool crash : {false, true}) {

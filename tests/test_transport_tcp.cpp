@@ -16,12 +16,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -55,6 +57,20 @@ int raw_connect(const std::string& address) {
   timeval tv{5, 0};  // a read that would hang fails the test instead
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   return fd;
+}
+
+// A listening socket on a free loopback port, to play a peer that others dial: (fd, address).
+std::pair<int, std::string> raw_listen() {
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(lfd >= 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(::listen(lfd, 4) == 0);
+  socklen_t len = sizeof sa;
+  REQUIRE(::getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  return {lfd, "127.0.0.1:" + std::to_string(ntohs(sa.sin_port))};
 }
 
 void raw_write(int fd, const std::string& bytes) {
@@ -321,15 +337,9 @@ TEST_CASE("tcp: the secret never travels; an acceptor replaying a recorded proof
   }
   // A raw socket posing as worker 0: it records every byte worker 1 sends and plays it the
   // recorded reply, which was made for another nonce.
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-  REQUIRE(::listen(lfd, 4) == 0);
-  socklen_t len = sizeof sa;
-  REQUIRE(::getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
-  const std::string fake_addr = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  const auto listener = raw_listen();  // lambdas below capture lfd: no structured binding
+  const int lfd = listener.first;
+  const std::string fake_addr = listener.second;
   std::string received;
   std::thread fake([&] {
     const int fd = ::accept(lfd, nullptr, nullptr);
@@ -603,4 +613,75 @@ TEST_CASE("tcp: a DISTRPC_RECV_CACHE_MB that is not a number of MiB fails the st
   }
   ScopedEnv unset(ScopedEnv::unset, {"DISTRPC_RECV_CACHE_MB"});
   CHECK(distrpc::wire::RecvStorage::limit_from_env() == std::size_t{128} << 20);
+}
+
+// A peer whose host vanished: our send to it is blocked (nothing reads or acknowledges our bytes,
+// and TCP would retry for many minutes) when its other connection is found broken. The loss
+// reported there also ends the blocked send, with the reason. The vanished peer is a raw socket
+// that completes the handshake of our connection to it and then never reads.
+TEST_CASE("tcp: a peer reported lost also fails a send blocked on our connection to it") {
+  const auto listener = raw_listen();  // lambdas below capture lfd: no structured binding
+  const int lfd = listener.first;
+  const std::string fake_addr = listener.second;
+  std::atomic<int> accepted{-1};
+  std::thread fake([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    // The dialler's Hello (a frame header and its payload), then ours; nothing is read after.
+    std::string got(distrpc::wire::kFrameFixedBytes, '\0');
+    std::size_t have = 0;
+    while (have < got.size()) {
+      const ssize_t n = ::recv(fd, got.data() + have, got.size() - have, 0);
+      if (n <= 0) break;
+      have += static_cast<std::size_t>(n);
+      if (have == distrpc::wire::kFrameFixedBytes && got.size() == have) {
+        got.resize(have + distrpc::wire::decode_frame_header(got).payload_bytes);
+      }
+    }
+    distrpc::wire::Hello h;
+    h.worker_id = 7;
+    h.worker_name = "w7";
+    const std::string reply = frame_bytes(distrpc::wire::encode_hello(h));
+    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    accepted = fd;
+  });
+  TcpNode a(0);
+  a.ctx->add_peer(7, "w7", fake_addr);
+  std::promise<std::string> failed;
+  std::atomic<int> sent{0};
+  std::thread sender([&] {
+    const at::Tensor big = at::zeros({8 << 20}, at::kByte);
+    try {
+      for (;;) {
+        a.ctx->send(7, make_message(MessageType::Request, 1, "big", {big}));
+        ++sent;
+      }
+    } catch (const DistNetworkError& e) {
+      failed.set_value(e.what());
+    }
+  });
+  // The sender fills the socket buffers and blocks (the first 8 MiB may still fit in them).
+  std::future<std::string> outcome = failed.get_future();
+  CHECK(outcome.wait_for(1500ms) == std::future_status::timeout);
+  CHECK(sent.load() <= 1);
+  // Worker 7's connection to us: handshaken, then broken.
+  const int in = raw_connect(a.ctx->address());
+  raw_write(in, hello_frame(7, "w7", std::nullopt));
+  distrpc::wire::Hello reply;
+  REQUIRE(raw_read_hello(in, reply));
+  ::close(in);
+  REQUIRE(a.inbox.wait_lost(1, 5s));
+  const bool ended = outcome.wait_for(3s) == std::future_status::ready;
+  CHECK(ended);
+  if (accepted.load() >= 0) ::close(accepted.load());  // lets the sender go if it is still stuck
+  sender.join();
+  fake.join();
+  ::close(lfd);
+  if (ended) {
+    const std::string text = outcome.get();
+    CHECK(contains(text, "to worker 7 ('w7')"));
+    CHECK(contains(text, "worker 7 was lost: connection closed by peer"));
+  }
 }

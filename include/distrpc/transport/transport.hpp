@@ -176,8 +176,10 @@ namespace detail {
 // stops the Context) while another thread is already shutting it down, it does not wait: that
 // thread joins this one, so waiting here would leave both waiting for ever. The lock is then not
 // owned, and shutdown() returns at once (the other thread completes it).
+// A library task that a caller in drive() runs (run_library_here()) is in the same position:
+// shutdown() waits for that caller to leave drive().
 inline std::unique_lock<std::mutex> lock_for_shutdown(std::mutex& mu) {
-  if (!on_transport_thread()) return std::unique_lock<std::mutex>(mu);
+  if (!on_transport_thread() && !wait_driver_thread) return std::unique_lock<std::mutex>(mu);
   return std::unique_lock<std::mutex>(mu, std::try_to_lock);
 }
 }  // namespace detail

@@ -54,8 +54,11 @@ class ImplContext {
   void shutdown() { shutdown(std::chrono::steady_clock::now() + kDefaultShutdownGrace); }
 
   // Reads on the calling thread, never sleeping, until done() or `until` (transport.hpp).
+  // The implementation is held for the call: a caller still inside when shutdown() stopped
+  // waiting for it (a long library task) must not find it freed with the Context.
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    impl_->drive(done, until);
+    const std::shared_ptr<Impl> impl = impl_;
+    impl->drive(done, until);
   }
 
  private:

@@ -79,6 +79,7 @@
 #include "distrpc/net/spin.hpp"
 #include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
+#include "distrpc/transport/detail/drive_gate.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
@@ -489,6 +490,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
     // and exits, holding the last reference to this object if the Context is gone by then.
     const std::size_t abandoned =
         transport::detail::stop_threads(listen_thread_, read_threads_, deadline).abandoned;
+    // Nor a caller in drive() (it saw stopping_), except one past `deadline` in a library task.
+    drivers_.close_and_wait(deadline);
     // No other thread touches the sockets any more.
     asio::error_code ec;
     acceptor_.close(ec);
@@ -1147,13 +1150,16 @@ class Impl : public std::enable_shared_from_this<Impl> {
                              : err == net::tls::kTlsFailed ? "TLS: " + tls_why
                                                            : errno_text(err);
     // Part of a frame may be on the wire: the stream is unusable. A reading thread sees the
-    // shutdown as the end of the stream, closes the connection and reports this reason.
+    // shutdown as the end of the stream, closes the connection and reports this reason. A reason
+    // recorded before (the peer was lost, which shut the socket down under this write) is the
+    // one to give.
+    const std::string earlier = c.recorded_failure();
     c.record_failure("write failed: " + text);
     c.shutdown_fd();
     throw DistNetworkError("distrpc tcp: send of a " +
                            std::to_string(m.payload.size() + c.header_scratch.size()) +
                            "-byte frame (+" + std::to_string(m.buffers.size()) + " buffers) to " +
-                           c.describe() + " failed: " + text);
+                           c.describe() + " failed: " + (earlier.empty() ? text : earlier));
   }
 
   // ---- receiving (reading threads) ----------------------------------------------------------
@@ -1238,6 +1244,8 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // polling stops. Requests read here go to the pool; control messages run here
   // (InlineTask::run_library_here()).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
+    const transport::detail::DriveGate::Scope in(drivers_);
+    if (!in) return;  // shut down
     net::ReadySet::Polling polling(ready_);
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
            std::chrono::steady_clock::now() < until) {
@@ -1507,12 +1515,20 @@ class Impl : public std::enable_shared_from_this<Impl> {
       by_token_.erase(c->token);
     }
     bool report = false;
+    std::shared_ptr<Connection> other;
     if (auto p = find_peer(c->peer)) {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->out == c) p->out.reset();
       // Both connections with a dead peer break together: the owner hears about the peer once;
       // a connection of a registration since replaced is ignored.
       if (p->liveness.current(c->generation)) report = p->liveness.mark_lost(reason);
+      // The peer is lost, and so is our connection to it: a send blocked there (its host vanished
+      // with our bytes unacknowledged, which TCP retries for many minutes) fails now, saying why.
+      if (report && p->out && p->out->generation == c->generation) other = p->out;
+    }
+    if (other) {
+      other->record_failure("worker " + std::to_string(c->peer) + " was lost: " + reason);
+      other->shutdown_fd();
     }
     if (!report || stopping_.load() || !callbacks_.on_peer_lost) return;
     try {
@@ -1551,6 +1567,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   asio::steady_timer accept_retry_;
 
   std::atomic<bool> stopping_{false};
+  transport::detail::DriveGate drivers_;  // callers in drive(), waited for by shutdown()
   std::mutex mu_;  // guards peers_ and conns_
   std::map<int, std::shared_ptr<Peer>> peers_;
   std::set<std::shared_ptr<Connection>> conns_;

@@ -195,6 +195,16 @@ class SegmentUse {
   bool one_shot_;
 };
 
+// The largest segment a peer that keeps to `limits` can announce: the buffers it places there, each
+// at a kSegmentAlign boundary, rounded up to kSegmentGranule. (max_message_bytes itself is too
+// small whenever it is not a multiple of the granule: such a message was refused on arrival.)
+inline std::uint64_t max_segment_bytes(const wire::Limits& limits) {
+  const std::uint64_t placed =
+      std::min<std::uint64_t>(limits.max_buffers, limits.max_message_bytes / kSegmentThreshold + 1);
+  const std::uint64_t bytes = limits.max_message_bytes + placed * kSegmentAlign;
+  return (bytes + kSegmentGranule - 1) / kSegmentGranule * kSegmentGranule;
+}
+
 // Maps a segment announced by the peer, after checking the descriptor and the header it holds.
 inline std::shared_ptr<RecvSegment> adopt_segment(int fd, std::uint32_t id, std::uint64_t announced,
                                                   std::uint64_t max_bytes) {

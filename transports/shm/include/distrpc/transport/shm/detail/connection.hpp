@@ -91,7 +91,7 @@ struct InConn {
   InConn(std::shared_ptr<Mapping> m, std::uint64_t capacity, const wire::Limits& limits)
       : ring_map(std::move(m)),
         reader(ring_map->base(), capacity),
-        parser(limits, [this, max = limits.max_message_bytes](std::uint32_t id) {
+        parser(limits, [this, max = max_segment_bytes(limits)](std::uint32_t id) {
           return receive_announced_segment(sock.get(), id, max);
         }) {}
   InConn(const InConn&) = delete;

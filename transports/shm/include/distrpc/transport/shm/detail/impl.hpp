@@ -31,6 +31,7 @@
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
+#include "distrpc/transport/detail/drive_gate.hpp"
 #include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/shm/detail/connection.hpp"
 #include "distrpc/transport/shm/detail/protocol.hpp"
@@ -134,6 +135,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     // and exits, holding the last reference to this object if the Context is gone by then.
     const auto [abandoned, on_io_thread] =
         transport::detail::stop_threads(listen_thread_, io_threads_, deadline);
+    // Nor a caller in drive() (it saw stopping_), except one past `deadline` in a library task;
+    // it also lets go of the lead, so the incoming connections are closed below.
+    drivers_.close_and_wait(deadline);
     for (auto& c : outs) c->close();
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -150,7 +154,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
     // runs a task without the lead and, once it takes the lead again, meets `stopping_` and exits
     // without reading; so when nobody holds the lead now, nobody reads any more. Clearing closes
     // the sockets of incoming connections, so peers see the loss even with a thread abandoned.
-    if (!on_io_thread) {
+    // A callback in this thread's drive() holds the lead (a try_lock of a mutex this thread owns
+    // is undefined): its drive() clears them when it returns, as an I/O thread does.
+    if (!on_io_thread && !drivers_.entered_here()) {
       std::unique_lock<std::mutex> lead(lead_mu_, std::try_to_lock);
       if (lead.owns_lock()) {
         ins_.clear();
@@ -267,6 +273,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
   };
 
   void apply_changes();
+  // With the lead held: once stopping, closes the incoming connections (their peers see the
+  // loss), as shutdown() does when nobody holds the lead.
+  void close_readers_if_stopping() {
+    if (!stopping_.load()) return;
+    ins_.clear();
+    watched_.clear();
+  }
   void poll_sockets(int timeout_ms);
   void on_in_socket(std::shared_ptr<InConn> c, std::uint64_t token, std::uint32_t events);
   void on_out_socket(const std::shared_ptr<OutConn>& c, std::uint64_t token, std::uint32_t events);
@@ -292,6 +305,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   Fd epoll_;
 
   std::atomic<bool> stopping_{false};
+  transport::detail::DriveGate drivers_;  // callers in drive(), waited for by shutdown()
   std::mutex mu_;  // guards peers_, outs_, pending_in_, pending_out_
   std::map<int, std::shared_ptr<Peer>> peers_;
   std::set<std::shared_ptr<OutConn>> outs_;

@@ -50,6 +50,7 @@ inline void Impl::io_main() {
     }
     InlineTask task = io_loop(woken);  // returns with every ring declared sleeping
     woken = false;
+    close_readers_if_stopping();
     lead.unlock();
     settle(lead);
     if (stopping_.load()) {
@@ -227,7 +228,7 @@ inline void Impl::leave_unattended() {
 inline bool Impl::service_all(InlineScope& scope) {
   if (changes_.load(std::memory_order_acquire)) apply_changes();
   bool progress = false;
-  for (std::size_t i = 0; i < ins_.size(); ++i) {
+  for (std::size_t i = 0; i < ins_.size() && !stopping_.load(std::memory_order_relaxed); ++i) {
     std::shared_ptr<InConn> c = ins_[i];  // a copy: service() may remove it from ins_
     progress |= service(c, scope);
   }
@@ -293,6 +294,8 @@ inline InlineTask Impl::io_loop(bool woken) {
 // the two that matter. Requests read here go to the receiver's pool; control messages run here.
 inline void Impl::drive(const std::function<bool()>& done,
                         std::chrono::steady_clock::time_point until) {
+  const transport::detail::DriveGate::Scope in(drivers_);
+  if (!in) return;  // shut down
   std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
   while (!done() && !stopping_.load(std::memory_order_relaxed) && Clock::now() < until) {
     if (!lead.owns_lock()) {
@@ -321,6 +324,7 @@ inline void Impl::drive(const std::function<bool()>& done,
   // Hand the lead back as found. Records that came meanwhile (a stream of replies) are left
   // unattended: this caller is likely back soon, and the watcher takes over if it is not.
   if (!lead.owns_lock()) return;
+  close_readers_if_stopping();
   if (sleep_rings_or_ready()) leave_unattended();
   lead.unlock();
   settle(lead);

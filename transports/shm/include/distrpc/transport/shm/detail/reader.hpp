@@ -127,6 +127,8 @@ inline std::uint64_t Impl::token_of(const std::shared_ptr<InConn>& c) const {
 // Reads what the ring holds, up to the first request on_message hands back (kept in `scope`);
 // true if it made progress or left bytes for later. Drops the connection on any violation.
 inline bool Impl::service(std::shared_ptr<InConn> cp, InlineScope& scope) {
+  // A callback shut the Context down: nothing more is delivered, from any ring.
+  if (stopping_.load(std::memory_order_relaxed)) return false;
   InConn& c = *cp;
   bool progress = false;
   try {
@@ -145,7 +147,10 @@ inline bool Impl::service(std::shared_ptr<InConn> cp, InlineScope& scope) {
     }
     if (c.reader.release()) signal_eventfd(c.space_efd.get());
   } catch (const std::exception& e) {
+    // Gone: nothing more to read on it (its parser stopped inside the refused record, and a
+    // second look would find the same record again, for ever).
     drop(cp, token_of(cp), e.what());
+    return false;
   }
   return progress;
 }
