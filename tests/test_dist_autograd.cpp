@@ -94,6 +94,12 @@ at::Tensor nested_add(std::string next, at::Tensor a, at::Tensor b) {
   return distrpc::rpc_sync<&add>(next, a, b) * 2;
 }
 
+// A skip connection around a nested call: 4h from worker `next`, plus h itself. Two passes here
+// reach the recv function of h (the reply's, and the nested call's when its gradients come back),
+// so the caller's send function of h gets gradients twice, in two messages.
+at::Tensor skip_around(std::string next, at::Tensor h) {
+  return distrpc::rpc_sync<&add>(next, h * 2, h * 2) + h;
+}
 // The counts of context `id` on this worker: (sends, recvs, known workers).
 std::tuple<int, int, std::vector<int>> counts(std::int64_t id) {
   auto c = da::retrieve_context(id);
@@ -1406,6 +1412,70 @@ TEST_CASE(
 }
 
 // ---- gradients that come back as they were sent ------------------------------------------------
+
+// The caller's h = x.mm(W) is sent to worker1, which sends 2h on to worker2 and adds h to the
+// result: worker0's send function of h gets its gradient in two messages (1, then 4). The pass
+// of the first must keep mm's saved tensors for the second (it failed with "Trying to backward
+// through the graph a second time"); the gradients equal a local run's.
+DISTRPC_MP_TEST(
+    "dist autograd: a send function that gets gradients twice (a skip connection around a nested "
+    "call) keeps the graph behind it; the gradients equal a local run's",
+    3, 60) {
+  init(ctx);
+  if (ctx.rank == 0) {
+    torch::manual_seed(3);
+    const at::Tensor x0 = torch::rand({3, 4});
+    const at::Tensor w0 = torch::rand({4, 2});
+    at::Tensor x = x0.clone().requires_grad_(true);
+    at::Tensor w = w0.clone().requires_grad_(true);
+    for (int step = 0; step < 3; ++step) {
+      da::Context c;
+      at::Tensor h = x.mm(w);
+      at::Tensor y = distrpc::rpc_sync<&ag_test::skip_around>("worker1", std::string("worker2"), h);
+      std::string err;
+      try {
+        da::backward(c.id(), {y.sum()});
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      CHECK(err == "");
+      at::Tensor lx = x0.clone().requires_grad_(true);
+      at::Tensor lw = w0.clone().requires_grad_(true);
+      (5 * lx.mm(lw)).sum().backward();
+      CHECK(same(grad_of(c.id(), x), lx.grad()));
+      CHECK(same(grad_of(c.id(), w), lw.grad()));
+    }
+  }
+  distrpc::shutdown();
+}
+
+// A call made in a context while another thread releases it: the worker it would reach is either
+// among those the release goes to, or the call goes without the context. Never both missed.
+TEST_CASE("dist autograd: a released context takes no further worker to release it on") {
+  da::DistAutogradContext ctx(11);
+  CHECK(ctx.add_known_worker(2));
+  CHECK(ctx.add_known_worker(3));
+  CHECK(ctx.close() == std::set<int>{2, 3});
+  CHECK_FALSE(ctx.add_known_worker(4));  // refused: the release is already under way
+  CHECK(ctx.known_worker_ids() == std::set<int>{2, 3});
+}
+
+TEST_CASE("dist autograd: a dense gradient added to a sparse one in a context is summed") {
+  auto ctx = std::make_shared<da::DistAutogradContext>(9);
+  at::Tensor emb = torch::zeros({4, 2}, torch::requires_grad());
+  const at::Tensor sparse =
+      at::sparse_coo_tensor(torch::tensor({{1, 3}}, torch::kLong), at::ones({2, 2}), {4, 2});
+  ctx->accumulate(emb, sparse);
+  ctx->accumulate(emb, at::full({4, 2}, 2.0f));  // refused by ATen as sparse + dense
+  at::Tensor expect = at::full({4, 2}, 2.0f);
+  expect[1] += 1;
+  expect[3] += 1;
+  CHECK(same(ctx->get_gradients().at(emb), expect));
+  ctx->accumulate(emb, sparse);  // dense + sparse
+  expect[1] += 1;
+  expect[3] += 1;
+  CHECK(same(ctx->get_gradients().at(emb), expect));
+}
 
 TEST_CASE(
     "dist autograd: a pass from send functions straight to leaves sums each leaf's gradients "

@@ -54,9 +54,20 @@ class DistAutogradContext {
 
   // ---- what the library records ----------------------------------------------------------------
 
-  void add_known_worker(int worker) {
+  // False once the context was released (close()): a call that would take the context to
+  // `worker` now would make it there after the release went out, and nothing would release it.
+  bool add_known_worker(int worker) {
     std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return false;
     known_.insert(worker);
+    return true;
+  }
+  // Marks the context released and returns the workers to release it on, in one step: a worker
+  // is either among them or refused by add_known_worker, never missed.
+  std::set<int> close() {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+    return known_;
   }
   void add_send(std::int64_t message_id, std::shared_ptr<SendRpcBackward> fn) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -85,8 +96,10 @@ class DistAutogradContext {
           Entry{leaf, keep ? std::move(grad) : grad.clone(at::MemoryFormat::Contiguous)});
       return;
     }
-    // Out of place: a tensor get_gradients() handed out earlier keeps its value.
-    it->second.grad = it->second.grad + grad;
+    // Out of place: a tensor get_gradients() handed out earlier keeps its value. ATen adds a
+    // sparse tensor to a dense one, not a dense one to a sparse one: the dense one goes first.
+    at::Tensor& sum = it->second.grad;
+    sum = sum.is_sparse() && !grad.is_sparse() ? grad + sum : sum + grad;
   }
 
   // The gradient accumulated for `leaf` (undefined when none). With set_gradient, what
@@ -134,6 +147,7 @@ class DistAutogradContext {
   const std::int64_t id_;
   mutable std::mutex mu_;
   std::set<int> known_;
+  bool closed_ = false;  // released: no worker is added any more
   std::map<std::int64_t, std::shared_ptr<SendRpcBackward>> sends_;
   std::map<std::int64_t, std::shared_ptr<RecvRpcBackward>> recvs_;
   std::unordered_map<const c10::TensorImpl*, Entry> grads_;

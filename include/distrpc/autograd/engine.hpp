@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -110,11 +111,14 @@ inline void walk(const edge_list& roots, std::unordered_set<const Node*>& interi
   }
 }
 
-// True when a node this pass runs can also be reached from another root of the context (another
-// send function, or the user's roots of a backward running from here).
-inline bool shares_nodes(const DistAutogradContext& ctx, const edge_list& roots,
-                         const std::unordered_set<const Node*>& interior) {
-  if (interior.empty()) return false;
+// What the context's other roots reach (other send functions, and the user's roots of a backward
+// running from here): the interior nodes and the recv functions. A node among them can run again
+// in another pass; a recv function among them can send gradients again.
+struct Reach {
+  std::unordered_set<const Node*> interior;
+  std::unordered_set<const Node*> recvs;
+};
+inline Reach reached_by_others(const DistAutogradContext& ctx, const edge_list& roots) {
   std::unordered_set<const Node*> own;
   for (const auto& e : roots) own.insert(e.function.get());
   edge_list others;
@@ -126,13 +130,12 @@ inline bool shares_nodes(const DistAutogradContext& ctx, const edge_list& roots,
   for (const auto& e : ctx.running_roots()) {
     if (e.function && own.count(e.function.get()) == 0) others.push_back(e);
   }
-  if (others.empty()) return false;
-  std::unordered_set<const Node*> reach;
-  walk(others, reach, nullptr);
-  for (const Node* n : interior) {
-    if (reach.count(n) != 0) return true;
-  }
-  return false;
+  Reach r;
+  if (others.empty()) return r;
+  PassPlan plan;
+  walk(others, r.interior, &plan);
+  for (const auto& recv : plan.recvs) r.recvs.insert(recv.get());
+  return r;
 }
 
 // Runs the hooks registered on the tensors whose gradients `node` receives (a leaf's
@@ -234,7 +237,13 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
     PassPlan plan;
     walk(roots, plan.interior, &plan);
     if (plan.outputs.empty()) return;
-    const bool keep = retain_graph || shares_nodes(*ctx, roots, plan.interior);
+    // A node another root reaches too runs again in another pass: its saved tensors are kept
+    // (freed with the graph when the context is released).
+    const Reach others =
+        plan.interior.empty() && plan.recvs.empty() ? Reach{} : reached_by_others(*ctx, roots);
+    const bool keep =
+        retain_graph || std::any_of(plan.interior.begin(), plan.interior.end(),
+                                    [&](const Node* n) { return others.interior.count(n) != 0; });
     variable_list out;
     bool hooks_done = false;  // the tensor hooks of the captured gradients
     if (!direct_outputs(roots, grads, plan, out)) {
@@ -257,10 +266,14 @@ inline void run_pass(const ContextPtr& ctx, int self_id, const edge_list& all_ro
       // Hooks on the tensors the message brought run as the engine would run them on the recv
       // function, once.
       if (!hooks_done) g = run_tensor_hooks(*recv, std::move(g));
+      // A recv function another root reaches sends gradients again, in a pass of its own (a
+      // skip connection around a nested call, an RRef's value fetched twice): the graph behind
+      // the sender's send function must then outlive this message's pass.
+      const bool again = retain_graph || others.recvs.count(recv.get()) != 0;
       // The recv function never runs on the engine here: its work is this send, profiled under
       // its name.
       RECORD_FUNCTION(kRecvRpcBackwardName, std::vector<c10::IValue>());
-      send(*recv, std::move(g), retain_graph);
+      send(*recv, std::move(g), again);
     }
     for (std::size_t i = 0; i < plan.leaves.size(); ++i) {
       deliver_to_leaf(*ctx, *plan.leaves[i], std::move(out[i]), hooks_done);

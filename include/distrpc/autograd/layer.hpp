@@ -188,7 +188,7 @@ class AutogradLayer final : public AgentExtension,
     PassCount count(*this);
     // This backward's id: every pass it starts anywhere reports to it (termination.hpp).
     const Origin origin{self_id(), next_message_id()};
-    // Its roots, while it runs (engine.hpp's shares_nodes), beside those of other backwards
+    // Its roots, while it runs (engine.hpp's reached_by_others), beside those of other backwards
     // running in the same context.
     struct Running {
       DistAutogradContext& ctx;
@@ -233,7 +233,7 @@ class AutogradLayer final : public AgentExtension,
   void release(std::int64_t id) {
     auto ctx = contexts().erase(id);
     if (!ctx) throw std::runtime_error(dist_autograd::detail::not_found_text(id));
-    send_cleanup(id, ctx->known_worker_ids(), -1);
+    send_cleanup(id, ctx->close(), -1);
   }
 
   std::map<std::string, std::string> debug_info() {
@@ -249,7 +249,7 @@ class AutogradLayer final : public AgentExtension,
     if (id < 0) return;
     auto ctx = contexts().find(id);
     if (!ctx) return;  // released while current: nothing to record it in
-    ctx->add_known_worker(dst);
+    if (!ctx->add_known_worker(dst)) return;  // released meanwhile: the call goes without it
     out.emplace_back(kExtensionId, detail::CallTag{id, next_message_id()}.encode());
   }
 
@@ -337,7 +337,7 @@ class AutogradLayer final : public AgentExtension,
         wire::decode(m, ids);
         // Idempotent: a context already released (a cycle of known workers) is not an error.
         for (auto id : ids) {
-          if (auto ctx = contexts().erase(id)) send_cleanup(id, ctx->known_worker_ids(), peer);
+          if (auto ctx = contexts().erase(id)) send_cleanup(id, ctx->close(), peer);
         }
         return make_ready_future(distrpc::detail::empty_response());
       }
@@ -366,7 +366,7 @@ class AutogradLayer final : public AgentExtension,
     // came back.
     if (made_.load(std::memory_order_acquire) != nullptr) {
       for (const auto& ctx : contexts().erase_made_by(peer)) {
-        send_cleanup(ctx->context_id(), ctx->known_worker_ids(), peer);
+        send_cleanup(ctx->context_id(), ctx->close(), peer);
       }
     }
     if (trackers().empty()) return;  // a backward started from now on cannot reach it
