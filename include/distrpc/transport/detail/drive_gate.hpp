@@ -33,12 +33,6 @@ class DriveGate {
     const bool entered_;
   };
 
-  // True on a thread inside drive() behind this gate (a callback there).
-  bool entered_here() const {
-    const auto& gates = driving();
-    return std::find(gates.begin(), gates.end(), this) != gates.end();
-  }
-
   // Closes the gate (later drive() calls return at once) and waits, until `deadline` at most,
   // until no other thread is inside. The caller has made the policy stop first, so those threads
   // leave their loop. True when none is left inside.

@@ -156,7 +156,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     // the sockets of incoming connections, so peers see the loss even with a thread abandoned.
     // A callback in this thread's drive() holds the lead (a try_lock of a mutex this thread owns
     // is undefined): its drive() clears them when it returns, as an I/O thread does.
-    if (!on_io_thread && !drivers_.entered_here()) {
+    if (!on_io_thread && lead_in_drive() != this) {
       std::unique_lock<std::mutex> lead(lead_mu_, std::try_to_lock);
       if (lead.owns_lock()) {
         ins_.clear();
@@ -272,6 +272,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
     std::shared_ptr<OutConn> out;
   };
 
+  // The Impl whose lead this thread holds in drive() (so inside a callback there), else null.
+  static const Impl*& lead_in_drive() {
+    thread_local const Impl* impl = nullptr;
+    return impl;
+  }
   void apply_changes();
   // With the lead held: once stopping, closes the incoming connections (their peers see the
   // loss), as shutdown() does when nobody holds the lead.

@@ -297,6 +297,7 @@ inline void Impl::drive(const std::function<bool()>& done,
   const transport::detail::DriveGate::Scope in(drivers_);
   if (!in) return;  // shut down
   std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
+  const Impl* const outer = lead_in_drive();  // restored whenever this call lets the lead go
   while (!done() && !stopping_.load(std::memory_order_relaxed) && Clock::now() < until) {
     if (!lead.owns_lock()) {
       if (!lead.try_lock()) {
@@ -304,6 +305,7 @@ inline void Impl::drive(const std::function<bool()>& done,
         ::sched_yield();
         continue;
       }
+      lead_in_drive() = this;
       wake_rings();  // while this thread reads, writers need not signal
     }
     InlineScope scope;
@@ -314,6 +316,7 @@ inline void Impl::drive(const std::function<bool()>& done,
       // task may send, or wait and read through a nested drive().
       InlineTask task = scope.take();
       if (sleep_rings_or_ready()) leave_unattended();
+      lead_in_drive() = outer;
       lead.unlock();
       settle(lead);
       task.run_library_here();
@@ -326,6 +329,7 @@ inline void Impl::drive(const std::function<bool()>& done,
   if (!lead.owns_lock()) return;
   close_readers_if_stopping();
   if (sleep_rings_or_ready()) leave_unattended();
+  lead_in_drive() = outer;
   lead.unlock();
   settle(lead);
 }
