@@ -966,15 +966,15 @@ class DistrpcBackend final : public Backend {
     } catch (const std::exception& e) {
       // A send fails when the peer is gone: say so as a wait for it would.
       std::string lost;
-      std::int64_t left_after = -1;
+      Leave leave = Leave::No;
       {
         std::lock_guard<std::mutex> lk(mu_);
         lost = lost_[static_cast<std::size_t>(peer)];
-        left_after = left_after_[static_cast<std::size_t>(peer)];
+        leave = left(peer, o.coll);
       }
       // It completed this collective before it left: it needed nothing more from this member.
-      if (left_after >= 0 && static_cast<std::uint64_t>(left_after) >= o.coll) return;
-      if (left_after >= 0) throw DistBackendError(left_text(o, peer));
+      if (leave == Leave::After) return;
+      if (leave == Leave::Before) throw DistBackendError(left_text(o, peer));
       if (!lost.empty()) {
         throw DistBackendError("DistrpcBackend: " + o.what() + " failed on rank " +
                                std::to_string(rank()) + ": connection to rank " +
@@ -1005,16 +1005,13 @@ class DistrpcBackend final : public Backend {
       // A member that left before this collective will not take part in it. One that left after
       // completing it sent all its messages for it first: its leaving does not concern this wait.
       for (int q = 0; q < size(); ++q) {
-        const std::int64_t after = left_after_[static_cast<std::size_t>(q)];
-        if (after >= 0 && static_cast<std::uint64_t>(after) < o.coll) {
-          throw DistBackendError(left_text(o, q));
-        }
+        if (left(q, o.coll) == Leave::Before) throw DistBackendError(left_text(o, q));
       }
       // The member lost first is the one to name: the others may only be leaving because of it.
       int first = -1;
       for (int q = 0; q < size(); ++q) {
         const auto qi = static_cast<std::size_t>(q);
-        if (!lost_[qi].empty() && (q == src || left_after_[qi] < 0) &&
+        if (!lost_[qi].empty() && (q == src || left(q, o.coll) == Leave::No) &&
             (first < 0 || lost_at_[qi] < lost_at_[static_cast<std::size_t>(first)])) {
           first = q;
         }
@@ -1053,6 +1050,15 @@ class DistrpcBackend final : public Backend {
         throw DistBackendError(timeout_text(o, src));
       }
     }
+  }
+
+  // With mu_ held: whether `peer` said goodbye, and then before collective `coll` (it will not
+  // take part) or after completing it (all its messages for it came before the goodbye).
+  enum class Leave { No, Before, After };
+  Leave left(int peer, std::uint64_t coll) const {
+    const std::int64_t after = left_after_[static_cast<std::size_t>(peer)];
+    if (after < 0) return Leave::No;
+    return static_cast<std::uint64_t>(after) < coll ? Leave::Before : Leave::After;
   }
 
   std::string left_text(const Op& o, int peer) const {
@@ -1095,8 +1101,7 @@ class DistrpcBackend final : public Backend {
     } catch (const std::system_error&) {
       return;  // no thread to be had: the others see the loss, as without a goodbye
     }
-    (void)done.wait_for(kGoodbyeWait);
-    if (done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    if (done.wait_for(kGoodbyeWait) != std::future_status::ready) {
       ctx_->shutdown();  // ends the blocked send
     }
     sender.join();
