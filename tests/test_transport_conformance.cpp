@@ -761,6 +761,60 @@ void shutdown_waits_for_drive_scenario() {
   }
 }
 
+// A send blocked because the peer stopped reading (its callback holds the reading thread, the
+// socket buffer or ring is full) fails when that peer is registered again at another address,
+// and its error names the registration, not a closed connection the peer never closed.
+template <class P>
+void blocked_send_names_why_scenario() {
+  NodeOf<P> a(0), other(2);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> holding{false};
+  TransportCallbacks cb;
+  cb.on_message = [&](int, Message&&) {
+    if (!holding.exchange(true)) released.wait();
+  };
+  cb.on_peer_lost = [](int, const std::string&) {};
+  auto b = receiver_for(a, cb);
+  std::atomic<int> sent{0};
+  std::promise<std::string> failure;
+  auto failed = failure.get_future();
+  std::thread sender([&] {
+    const std::string chunk(256 * 1024, 'x');
+    try {
+      for (std::uint64_t id = 1; id <= 4096; ++id) {
+        a.ctx->send(1, make_message(MessageType::Response, id, chunk));
+        ++sent;
+      }
+      failure.set_value("");
+    } catch (const distrpc::DistNetworkError& e) {
+      failure.set_value(e.what());
+    }
+  });
+  // Blocked: no send completed for 300 ms.
+  int last = -1;
+  for (const auto until = Clock::now() + 20s; Clock::now() < until;) {
+    const int now = sent.load();
+    if (now == last && holding.load()) break;
+    last = now;
+    std::this_thread::sleep_for(300ms);
+  }
+  REQUIRE(holding.load());
+  REQUIRE(sent.load() < 4096);
+  a.ctx->add_peer(1, "w1", other.ctx->address());
+  const bool in_time = failed.wait_for(5s) == std::future_status::ready;
+  release.set_value();
+  sender.join();
+  REQUIRE(in_time);
+  const std::string text = failed.get();
+  INFO(text);
+  CHECK(text.find("worker 1") != std::string::npos);
+  CHECK(text.find("was registered again") != std::string::npos);
+  CHECK(text.find("closed the connection") == std::string::npos);
+  b->shutdown();
+  a.ctx->shutdown();
+}
+
 // The owner shuts a Context down while a callback on one of its threads calls shutdown() too (a
 // layer that stops on a message): the callback's call returns at once (the owner's joins that
 // thread, so waiting for it would leave both waiting for ever), and the owner's completes.
@@ -892,6 +946,8 @@ DISTRPC_CONFORMANCE("shutdown with traffic in flight does not hang, and no callb
                     shutdown_in_flight_scenario)
 DISTRPC_CONFORMANCE("shutdown from a callback while the owner shuts down: neither waits for ever",
                     shutdown_from_callback_during_shutdown_scenario)
+DISTRPC_CONFORMANCE("a send blocked on a peer that stopped reading names why it failed",
+                    blocked_send_names_why_scenario)
 DISTRPC_CONFORMANCE("shutdown waits for a thread in drive(): no callback runs after it returns",
                     shutdown_waits_for_drive_scenario)
 

@@ -136,6 +136,57 @@ TEST_CASE("shm: add_peer and send refuse bad input, naming what was wrong") {
                        doctest::Contains("worker 5"), DistNetworkError);
 }
 
+// While it lives, this process can open no descriptor: the soft limit on descriptors is set to
+// the lowest free one (every lower one is taken, so the next open fails with EMFILE).
+class NoNewDescriptors {
+ public:
+  NoNewDescriptors() {
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved_) == 0);
+    const int lowest_free = ::dup(0);
+    REQUIRE(lowest_free >= 0);
+    ::close(lowest_free);
+    rlimit tight = saved_;
+    tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
+  }
+  ~NoNewDescriptors() { ::setrlimit(RLIMIT_NOFILE, &saved_); }
+  NoNewDescriptors(const NoNewDescriptors&) = delete;
+  NoNewDescriptors& operator=(const NoNewDescriptors&) = delete;
+
+ private:
+  rlimit saved_{};
+};
+
+TEST_CASE("shm: a send whose tensor segment cannot be made names the peer; the pair lives on") {
+  ShmNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  a.ctx->send(1, make_message(MessageType::Request, 1, "connect"));  // dials while it may
+  REQUIRE(b.inbox.wait_messages(1, 5s));
+  const at::Tensor big = pattern_bytes(1 << 20, 4);  // above the segment threshold
+  std::string text;
+  {
+    const NoNewDescriptors none;
+    try {
+      a.ctx->send(1, make_message(MessageType::Request, 2, "big", {big}));
+    } catch (const DistNetworkError& e) {
+      text = e.what();
+    }
+  }
+  INFO(text);
+  CHECK(text.find("send of Request message 2 to worker 1 ('w1')") != std::string::npos);
+  CHECK(text.find("segment") != std::string::npos);
+  CHECK(text.find("Too many open files") != std::string::npos);
+  // Nothing was written: the connection is still usable, and nothing was reported lost.
+  a.ctx->send(1, make_message(MessageType::Request, 3, "big", {big}));
+  REQUIRE(b.inbox.wait_messages(2, 5s));
+  CHECK(b.inbox.lost.empty());
+  CHECK(a.inbox.lost.empty());
+  const Message m = b.inbox.take(1);
+  CHECK(m.id == 3);
+  REQUIRE(m.buffers.size() == 1);
+  CHECK(same_bytes(m.buffers[0], big));
+}
+
 TEST_CASE("shm: tensors through the codec keep dtype, shape and strides (non-contiguous too)") {
   ShmNode a(0), b(1);
   introduce(a, 0, b, 1);

@@ -5,13 +5,10 @@
 // request modes it owns, peer loss, the steps of a graceful shutdown, debug info.
 #pragma once
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "distrpc/entry_gate.hpp"
 #include "distrpc/function_ref.hpp"
 #include "distrpc/future.hpp"
 #include "distrpc/registry.hpp"
@@ -119,7 +117,8 @@ namespace detail {
 // its memory goes. Those are short library calls into a stopped agent (which fails them at once),
 // never user code waiting on the network, so the wait is short. After close(), enter() gives an
 // empty pass and the layer fails its call with shut_down_text() or drops what it meant to send.
-// A pass is a counter, not a lock: passes nest, and any number of threads hold one at once.
+// A pass is an entry of an EntryGate (entry_gate.hpp), not a lock: passes nest, and any number of
+// threads hold one at once.
 class HostGate : public std::enable_shared_from_this<HostGate> {
  public:
   // `self`: the agent's own worker, for error texts once the agent is gone.
@@ -133,7 +132,7 @@ class HostGate : public std::enable_shared_from_this<HostGate> {
     Pass(Pass&& o) noexcept : gate_(o.gate_) { o.gate_ = nullptr; }
     Pass& operator=(Pass&& o) noexcept {
       if (this != &o) {
-        if (gate_ != nullptr) gate_->leave();
+        if (gate_ != nullptr) gate_->entries_.leave();
         gate_ = o.gate_;
         o.gate_ = nullptr;
       }
@@ -142,7 +141,7 @@ class HostGate : public std::enable_shared_from_this<HostGate> {
     Pass(const Pass&) = delete;
     Pass& operator=(const Pass&) = delete;
     ~Pass() {
-      if (gate_ != nullptr) gate_->leave();
+      if (gate_ != nullptr) gate_->entries_.leave();
     }
     explicit operator bool() const { return gate_ != nullptr; }
     AgentServices* operator->() const { return gate_->host_; }
@@ -155,30 +154,14 @@ class HostGate : public std::enable_shared_from_this<HostGate> {
   };
 
   // A pass while the agent exists; an empty one once its destructor closed the gate.
-  Pass enter() {
-    // Counted before the check (both sequentially consistent): close() either sees this pass
-    // in `inside_`, or this thread sees `closed_` and backs out.
-    inside_.fetch_add(1);
-    if (closed_.load()) {
-      leave_uncounted();
-      return Pass();
-    }
-    mine().push_back(this);
-    return Pass(this);
-  }
+  Pass enter() { return entries_.enter() ? Pass(this) : Pass(); }
 
   // The agent is going (its destructor, after stop()): no pass is given from now on, and the
   // passes still out are waited for. Those this very thread holds are not waited for (the agent
   // destroyed from inside one of its own calls would otherwise wait for itself). Idempotent.
-  void close() {
-    closed_.store(true);
-    std::int64_t own = 0;
-    for (const HostGate* g : mine()) own += g == this ? 1 : 0;
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return inside_.load() <= own; });
-  }
+  void close() { entries_.close_and_wait(); }
 
-  bool closed() const { return closed_.load(); }
+  bool closed() const { return entries_.closed(); }
   const WorkerInfo& self() const { return self_; }
   // The agent's own text for a refusal after its stop: "RPC agent of W is shut down: <what>".
   std::string shut_down_text(const std::string& what) const {
@@ -204,34 +187,9 @@ class HostGate : public std::enable_shared_from_this<HostGate> {
   }
 
  private:
-  static std::vector<const HostGate*>& mine() {
-    thread_local std::vector<const HostGate*> held;
-    return held;
-  }
-  void leave() {
-    auto& held = mine();
-    for (auto it = held.rbegin(); it != held.rend(); ++it) {
-      if (*it == this) {
-        held.erase(std::next(it).base());
-        break;
-      }
-    }
-    leave_uncounted();
-  }
-  void leave_uncounted() {
-    if (inside_.fetch_sub(1) == 1 && closed_.load()) {
-      // Under the mutex: close() is then either before its check or inside its wait.
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-  }
-
   AgentServices* const host_;
   const WorkerInfo self_;
-  std::atomic<std::int64_t> inside_{0};
-  std::atomic<bool> closed_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
+  EntryGate entries_;
 };
 
 }  // namespace detail

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "distrpc/bounded_thread.hpp"
+#include "distrpc/entry_gate.hpp"
 #include "distrpc/log.hpp"
 #include "distrpc/tls_options.hpp"
 #include "distrpc/wire/frame.hpp"
@@ -181,6 +182,20 @@ namespace detail {
 inline std::unique_lock<std::mutex> lock_for_shutdown(std::mutex& mu) {
   if (!on_transport_thread() && !wait_driver_thread) return std::unique_lock<std::mutex>(mu);
   return std::unique_lock<std::mutex>(mu, std::try_to_lock);
+}
+
+// shutdown()'s wait for the callers reading in the policy's drive() (each holds an entry of
+// `drivers`); the policy marked itself stopping first, so they leave their loop at once. One still
+// inside at `deadline` is running a task it read there that has not returned: shutdown() goes on
+// without it (that thread leaves drive() when the task returns), and says so in the log.
+inline void close_drive_gate(distrpc::detail::EntryGate& drivers,
+                             std::chrono::steady_clock::time_point deadline, const std::string& who,
+                             const std::string& policy) {
+  if (drivers.close_and_wait_until(deadline)) return;
+  distrpc::detail::log_warning(who, policy +
+                                        ": shutdown went on at its deadline while a caller's "
+                                        "thread in drive() was still running a task read there; "
+                                        "that thread leaves drive() when the task returns");
 }
 }  // namespace detail
 

@@ -79,7 +79,6 @@
 #include "distrpc/net/spin.hpp"
 #include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
-#include "distrpc/transport/detail/drive_gate.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
@@ -491,7 +490,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     const std::size_t abandoned =
         transport::detail::stop_threads(listen_thread_, read_threads_, deadline).abandoned;
     // Nor a caller in drive() (it saw stopping_), except one past `deadline` in a library task.
-    drivers_.close_and_wait(deadline);
+    transport::detail::close_drive_gate(drivers_, deadline, log_who(), "tcp");
     // No other thread touches the sockets any more.
     asio::error_code ec;
     acceptor_.close(ec);
@@ -1244,7 +1243,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // polling stops. Requests read here go to the pool; control messages run here
   // (InlineTask::run_library_here()).
   void drive(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-    const transport::detail::DriveGate::Scope in(drivers_);
+    const distrpc::detail::EntryGate::Scope in(drivers_);
     if (!in) return;  // shut down
     net::ReadySet::Polling polling(ready_);
     while (!done() && !stopping_.load(std::memory_order_relaxed) &&
@@ -1567,7 +1566,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   asio::steady_timer accept_retry_;
 
   std::atomic<bool> stopping_{false};
-  transport::detail::DriveGate drivers_;  // callers in drive(), waited for by shutdown()
+  distrpc::detail::EntryGate drivers_;  // callers in drive(), waited for by shutdown()
   std::mutex mu_;  // guards peers_ and conns_
   std::map<int, std::shared_ptr<Peer>> peers_;
   std::set<std::shared_ptr<Connection>> conns_;

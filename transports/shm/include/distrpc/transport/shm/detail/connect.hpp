@@ -168,12 +168,19 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
     }
   }
   const std::string label = "w" + std::to_string(options_.self_id) + "->w" + std::to_string(id);
-  Fd ring_fd = make_memfd("distrpc-shm ring " + label, kRingHeaderBytes + kDefaultRingCapacity);
-  auto map = map_shared(ring_fd.get(), kRingHeaderBytes + kDefaultRingCapacity,
-                        /*prefault=*/true);
-  init_ring(map->base(), kDefaultRingCapacity);
-  auto c = std::make_shared<OutConn>(std::move(map), kDefaultRingCapacity, label);
-  c->space_efd = make_eventfd();
+  // Out of memory or descriptors here fails this dial, named like every other step of it.
+  Fd ring_fd;
+  std::shared_ptr<OutConn> c;
+  try {
+    ring_fd = make_memfd("distrpc-shm ring " + label, kRingHeaderBytes + kDefaultRingCapacity);
+    auto map = map_shared(ring_fd.get(), kRingHeaderBytes + kDefaultRingCapacity,
+                          /*prefault=*/true);
+    init_ring(map->base(), kDefaultRingCapacity);
+    c = std::make_shared<OutConn>(std::move(map), kDefaultRingCapacity, label);
+    c->space_efd = make_eventfd();
+  } catch (const DistNetworkError& e) {
+    throw error(std::string("making the shared ring: ") + e.what());
+  }
   c->wake_efd = std::move(reply.fds[0]);
   const SetupPacket setup{kSetupMagic, kSetupVersion, kDefaultRingCapacity};
   const std::array<int, 2> fds{ring_fd.get(), c->space_efd.get()};

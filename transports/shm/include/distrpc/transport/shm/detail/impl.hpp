@@ -31,7 +31,6 @@
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
-#include "distrpc/transport/detail/drive_gate.hpp"
 #include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/shm/detail/connection.hpp"
 #include "distrpc/transport/shm/detail/protocol.hpp"
@@ -137,7 +136,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
         transport::detail::stop_threads(listen_thread_, io_threads_, deadline);
     // Nor a caller in drive() (it saw stopping_), except one past `deadline` in a library task;
     // it also lets go of the lead, so the incoming connections are closed below.
-    drivers_.close_and_wait(deadline);
+    transport::detail::close_drive_gate(drivers_, deadline, log_who(), "shm");
     for (auto& c : outs) c->close();
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -310,7 +309,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   Fd epoll_;
 
   std::atomic<bool> stopping_{false};
-  transport::detail::DriveGate drivers_;  // callers in drive(), waited for by shutdown()
+  distrpc::detail::EntryGate drivers_;  // callers in drive(), waited for by shutdown()
   std::mutex mu_;  // guards peers_, outs_, pending_in_, pending_out_
   std::map<int, std::shared_ptr<Peer>> peers_;
   std::set<std::shared_ptr<OutConn>> outs_;

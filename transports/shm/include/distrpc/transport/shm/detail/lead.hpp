@@ -294,7 +294,7 @@ inline InlineTask Impl::io_loop(bool woken) {
 // the two that matter. Requests read here go to the receiver's pool; control messages run here.
 inline void Impl::drive(const std::function<bool()>& done,
                         std::chrono::steady_clock::time_point until) {
-  const transport::detail::DriveGate::Scope in(drivers_);
+  const distrpc::detail::EntryGate::Scope in(drivers_);
   if (!in) return;  // shut down
   std::unique_lock<std::mutex> lead(lead_mu_, std::defer_lock);
   const Impl* const outer = lead_in_drive();  // restored whenever this call lets the lead go

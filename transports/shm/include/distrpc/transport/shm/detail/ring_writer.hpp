@@ -37,7 +37,18 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     seg_bytes += n;
   }
   SegmentChoice seg;
-  if (seg_bytes > 0) seg = c.segments.acquire(seg_bytes);  // may throw: nothing written yet
+  if (seg_bytes > 0) {
+    try {
+      seg = c.segments.acquire(seg_bytes);
+    } catch (const std::exception& e) {
+      // Out of memory or descriptors here: nothing was written, so the connection stays usable
+      // and only this send fails, naming the message and the peer.
+      throw DistNetworkError("distrpc shm: send of " + wire::to_string(m.type) + " message " +
+                             std::to_string(m.id) + " to " + c.describe() +
+                             " failed: cannot make a " + std::to_string(seg_bytes) +
+                             "-byte segment for its tensors: " + e.what());
+    }
+  }
   try {
     if (seg.fresh) {
       const SegmentPacket sp{kSegmentPacketMagic, seg.segment.id, seg.segment.capacity};
@@ -71,11 +82,15 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     std::string text = e.what();
     if (dynamic_cast<const RingCorrupt*>(&e)) log_drop(c.describe(), text);
     // Part of a record may be in the ring: the connection is unusable. The I/O thread sees the
-    // shutdown as a hang-up, closes the connection and reports this reason.
+    // shutdown as a hang-up, closes the connection and reports this reason. A reason recorded
+    // before (the peer was lost or registered again, which shut the socket down under this
+    // write: a hang-up the peer did not cause) is the one to give.
+    const std::string earlier = c.recorded_failure();
     c.record_failure("write failed: " + text);
     c.shutdown_sock();
     throw DistNetworkError("distrpc shm: send of " + wire::to_string(m.type) + " message " +
-                           std::to_string(m.id) + " to " + c.describe() + " failed: " + text);
+                           std::to_string(m.id) + " to " + c.describe() +
+                           " failed: " + (earlier.empty() ? text : earlier));
   }
 }
 
