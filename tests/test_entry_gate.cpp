@@ -70,12 +70,12 @@ TEST_CASE("entry gate: close waits for the thread inside and refuses later entri
   Holder holder(*gate);
   REQUIRE(holder.entered());
   std::atomic<bool> closed{false};
+  const auto t0 = Clock::now();
   std::thread releaser([&] {
     std::this_thread::sleep_for(150ms);
     CHECK_FALSE(closed.load());  // still waiting for the holder
     holder.release();
   });
-  const auto t0 = Clock::now();
   CHECK(returns_within(5s, [gate, &closed] {
     gate->close_and_wait();
     closed.store(true);
@@ -112,6 +112,37 @@ TEST_CASE("entry gate: a thread closing from inside its own entry waits only for
     }));
     releaser.join();
   }
+}
+
+TEST_CASE("entry gate: a thread that keeps trying to enter does not hold up the close") {
+  // A caller looping on drive() after the shutdown began: its refused entries must not count.
+  auto* gate = new EntryGate;
+  Holder holder(*gate);
+  REQUIRE(holder.entered());
+  std::atomic<bool> stop{false};
+  std::atomic<long> refused{0};
+  std::thread knocking([&] {
+    while (!stop.load()) {
+      if (gate->enter()) {
+        gate->leave();
+      } else {
+        refused.fetch_add(1);
+      }
+    }
+  });
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(100ms);
+    holder.release();
+  });
+  const auto t0 = Clock::now();
+  const bool all_left = gate->close_and_wait_until(t0 + 3s);
+  const auto waited = Clock::now() - t0;
+  stop.store(true);
+  knocking.join();
+  releaser.join();
+  CHECK(all_left);
+  CHECK(waited < 1s);
+  CHECK(refused.load() > 0);
 }
 
 TEST_CASE("entry gate: a bounded close gives up at its deadline and says so") {

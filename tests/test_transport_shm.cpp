@@ -5,6 +5,7 @@
 // abstract socket namespace; and Auto's addresses and its choice for same-host and "other host"
 // peers. What every policy must do is tested once for all of them in
 // test_transport_conformance.cpp.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -142,7 +143,7 @@ class NoNewDescriptors {
  public:
   NoNewDescriptors() {
     REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved_) == 0);
-    const int lowest_free = ::dup(0);
+    const int lowest_free = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     REQUIRE(lowest_free >= 0);
     ::close(lowest_free);
     rlimit tight = saved_;
@@ -179,8 +180,10 @@ TEST_CASE("shm: a send whose tensor segment cannot be made names the peer; the p
   // Nothing was written: the connection is still usable, and nothing was reported lost.
   a.ctx->send(1, make_message(MessageType::Request, 3, "big", {big}));
   REQUIRE(b.inbox.wait_messages(2, 5s));
-  CHECK(b.inbox.lost.empty());
-  CHECK(a.inbox.lost.empty());
+  for (auto* n : {&a, &b}) {
+    std::lock_guard<std::mutex> lk(n->inbox.mu);
+    CHECK(n->inbox.lost.empty());
+  }
   const Message m = b.inbox.take(1);
   CHECK(m.id == 3);
   REQUIRE(m.buffers.size() == 1);

@@ -47,10 +47,13 @@ class EntryGate {
 
   // True when entered; each true is matched by one leave() on the same thread.
   bool enter() {
+    // Refused without touching the count once closed: a thread that keeps calling (a caller
+    // looping on drive()) must not keep the count above the closer's target.
+    if (closed()) return false;
     auto& mine = inside_here();
     mine.push_back(this);  // first: it may throw, and nothing is counted yet
     // Counted and checked in one step: a closer either sees this entry, or this thread sees the
-    // gate closed and backs out.
+    // gate closed (it closed just now) and backs out.
     if ((state_.fetch_add(kOne) & kClosed) != 0) {
       mine.pop_back();
       leave_counted();

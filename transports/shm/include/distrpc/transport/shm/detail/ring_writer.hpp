@@ -133,6 +133,8 @@ inline void Impl::wait_for_space(OutConn& c) {
     }
     if (fds[1].revents & (POLLHUP | POLLRDHUP | POLLERR)) {
       c.writer.clear_sleeping();
+      // Our own shutdown() hung the socket up too.
+      if (stopping_.load()) throw DistNetworkError("the transport was shut down");
       throw DistNetworkError("the peer closed the connection while we waited for ring space");
     }
     if (fds[0].revents & POLLIN) drain_eventfd(c.space_efd.get());
