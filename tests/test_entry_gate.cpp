@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "distrpc/entry_gate.hpp"
+#include "support/finishes_within.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -13,24 +14,11 @@
 #include <vector>
 
 using distrpc::detail::EntryGate;
+using distrpc::testing::finishes_within;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-// Runs `fn` on a thread of its own and says whether it returned within `limit`. A call that hangs
-// fails the test instead of stalling it: its thread is left behind (detached), so whatever it uses
-// must be kept alive by the caller (the tests leak their gate for that).
-template <class Fn>
-bool returns_within(std::chrono::milliseconds limit, Fn fn) {
-  auto done = std::make_shared<std::promise<void>>();
-  auto ended = done->get_future();
-  std::thread([done, fn = std::move(fn)]() mutable {
-    fn();
-    done->set_value();
-  }).detach();
-  return ended.wait_for(limit) == std::future_status::ready;
-}
 
 // Holds an entry on a thread of its own until release().
 class Holder {
@@ -76,10 +64,12 @@ TEST_CASE("entry gate: close waits for the thread inside and refuses later entri
     CHECK_FALSE(closed.load());  // still waiting for the holder
     holder.release();
   });
-  CHECK(returns_within(5s, [gate, &closed] {
-    gate->close_and_wait();
-    closed.store(true);
-  }));
+  CHECK(finishes_within(
+      [gate, &closed] {
+        gate->close_and_wait();
+        closed.store(true);
+      },
+      5s));
   releaser.join();
   CHECK(Clock::now() - t0 >= 140ms);
   CHECK(gate->closed());
@@ -91,11 +81,13 @@ TEST_CASE("entry gate: close waits for the thread inside and refuses later entri
 TEST_CASE("entry gate: a thread closing from inside its own entry waits only for the others") {
   auto* gate = new EntryGate;
   SUBCASE("alone: returns at once, through nested entries") {
-    CHECK(returns_within(5s, [gate] {
-      EntryGate::Scope outer(*gate);
-      EntryGate::Scope inner(*gate);
-      gate->close_and_wait();
-    }));
+    CHECK(finishes_within(
+        [gate] {
+          EntryGate::Scope outer(*gate);
+          EntryGate::Scope inner(*gate);
+          gate->close_and_wait();
+        },
+        5s));
   }
   SUBCASE("another thread inside: returns when that one leaves, not when the count reaches 0") {
     // The closer's own entry keeps the count above zero: the wake-up must come with the other
@@ -106,10 +98,12 @@ TEST_CASE("entry gate: a thread closing from inside its own entry waits only for
       std::this_thread::sleep_for(100ms);
       holder->release();
     });
-    CHECK(returns_within(5s, [gate] {
-      EntryGate::Scope own(*gate);
-      gate->close_and_wait();
-    }));
+    CHECK(finishes_within(
+        [gate] {
+          EntryGate::Scope own(*gate);
+          gate->close_and_wait();
+        },
+        5s));
     releaser.join();
   }
 }
@@ -184,11 +178,13 @@ TEST_CASE("entry gate: the closer may free the gate as soon as close returns") {
     }
     while (entered.load() < 4) std::this_thread::yield();
     int inside_after = -1;
-    CHECK(returns_within(5s, [gate, &inside, &inside_after] {
-      gate->close_and_wait();
-      inside_after = inside.load();
-      delete gate;
-    }));
+    CHECK(finishes_within(
+        [gate, &inside, &inside_after] {
+          gate->close_and_wait();
+          inside_after = inside.load();
+          delete gate;
+        },
+        5s));
     for (auto& th : threads) th.join();
     CHECK(inside_after == 0);
   }

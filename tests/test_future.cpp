@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "distrpc/future.hpp"
+#include "support/finishes_within.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -22,6 +23,7 @@ using distrpc::Future;
 using distrpc::FutureBase;
 using distrpc::Promise;
 using distrpc::WaitAllScope;
+using distrpc::testing::finishes_within;
 using namespace std::chrono_literals;
 
 namespace {
@@ -76,18 +78,6 @@ class SerialExecutor {
   bool stop_ = false;
   std::thread thread_;  // last: starts once the members above exist
 };
-
-// Runs fn on its own thread and waits at most `limit`; a deadlock then fails the test instead of
-// hanging the suite (the stuck thread is abandoned to the process exit).
-bool finishes_within(std::function<void()> fn, std::chrono::milliseconds limit) {
-  auto finished = std::make_shared<std::promise<void>>();
-  auto result = finished->get_future();
-  std::thread([fn = std::move(fn), finished] {
-    fn();
-    finished->set_value();
-  }).detach();
-  return result.wait_for(limit) == std::future_status::ready;
-}
 
 std::string error_text(const FutureBase& f) {
   if (!f.has_error()) return f.done() ? "<succeeded>" : "<pending>";

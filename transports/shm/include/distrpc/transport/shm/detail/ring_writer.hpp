@@ -26,6 +26,10 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     throw DistNetworkError("distrpc shm: cannot send to " + c.describe() +
                            ": the connection was lost" + (why.empty() ? "" : " (" + why + ")"));
   }
+  const auto send_failed = [&](const std::string& why) {
+    return "distrpc shm: send of " + wire::to_string(m.type) + " message " + std::to_string(m.id) +
+           " to " + c.describe() + " failed: " + why;
+  };
   // Placement: large buffers go to one segment (64-byte aligned), the rest through the ring.
   c.place.assign(m.buffers.size(), kInline);
   std::uint64_t seg_bytes = 0;
@@ -43,10 +47,8 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     } catch (const std::exception& e) {
       // Out of memory or descriptors here: nothing was written, so the connection stays usable
       // and only this send fails, naming the message and the peer.
-      throw DistNetworkError("distrpc shm: send of " + wire::to_string(m.type) + " message " +
-                             std::to_string(m.id) + " to " + c.describe() +
-                             " failed: cannot make a " + std::to_string(seg_bytes) +
-                             "-byte segment for its tensors: " + e.what());
+      throw DistNetworkError(send_failed("cannot make a " + std::to_string(seg_bytes) +
+                                         "-byte segment for its tensors: " + e.what()));
     }
   }
   try {
@@ -88,9 +90,7 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     const std::string earlier = c.recorded_failure();
     c.record_failure("write failed: " + text);
     c.shutdown_sock();
-    throw DistNetworkError("distrpc shm: send of " + wire::to_string(m.type) + " message " +
-                           std::to_string(m.id) + " to " + c.describe() +
-                           " failed: " + (earlier.empty() ? text : earlier));
+    throw DistNetworkError(send_failed(earlier.empty() ? text : earlier));
   }
 }
 
