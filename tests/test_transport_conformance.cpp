@@ -29,6 +29,7 @@
 #include <thread>
 #include <type_traits>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -332,18 +333,24 @@ void echo_processes(const distrpc::testing::RankContext& ctx) {
 
 // ---- peers that are not (or no longer) who they should be -----------------------------------
 
+// What a send() that must fail threw (a DistNetworkError), or "" when it did not throw.
+template <class N>
+std::string send_failure(N& node, int peer, Message m) {
+  try {
+    node.ctx->send(peer, std::move(m));
+  } catch (const DistNetworkError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 template <class P>
 void nothing_listens_scenario() {
   NodeOf<P> a(options_for(0, "", 600ms));
   const std::string ghost = Traits<P>::ghost_address();
   a.ctx->add_peer(3, "ghost", ghost);
   const auto t0 = Clock::now();
-  std::string text;
-  try {
-    a.ctx->send(3, make_message(MessageType::Request, 1, "anyone?"));
-  } catch (const DistNetworkError& e) {
-    text = e.what();
-  }
+  const std::string text = send_failure(a, 3, make_message(MessageType::Request, 1, "anyone?"));
   const auto took = Clock::now() - t0;
   CHECK(contains(text, "worker 3 ('ghost')"));
   CHECK(contains(text, "600 ms"));
@@ -375,12 +382,8 @@ void refused_identities_scenario() {
     // A wrong secret: the dialler finds a's proof wrong (a proves first) and gives up.
     NodeOf<P> intruder(options_for(7, "guess"));
     intruder.ctx->add_peer(0, "w0", a.ctx->address());
-    std::string text;
-    try {
-      intruder.ctx->send(0, make_message(MessageType::Request, 1, "let me in"));
-    } catch (const DistNetworkError& e) {
-      text = e.what();
-    }
+    const std::string text =
+        send_failure(intruder, 0, make_message(MessageType::Request, 1, "let me in"));
     CHECK(contains(text, "handshake with worker 0 ('w0')"));
     CHECK(contains(text,
                    " failed: authentication failed: worker 'w0' (id 0) answered our "
@@ -393,12 +396,8 @@ void refused_identities_scenario() {
     // No secret: a refuses it before anything else, and says why in its log.
     NodeOf<P> bare(options_for(8, ""));
     bare.ctx->add_peer(0, "w0", a.ctx->address());
-    std::string text;
-    try {
-      bare.ctx->send(0, make_message(MessageType::Request, 1, "let me in"));
-    } catch (const DistNetworkError& e) {
-      text = e.what();
-    }
+    const std::string text =
+        send_failure(bare, 0, make_message(MessageType::Request, 1, "let me in"));
     CHECK(contains(text, "refused our handshake"));
     const std::string line = log.wait_for("worker 'w8'");
     CHECK(contains(line, "dropping connection from "));
@@ -411,12 +410,7 @@ void refused_identities_scenario() {
     NodeOf<P> open(options_for(0, ""));
     NodeOf<P> keyed(options_for(9, token));
     keyed.ctx->add_peer(0, "w0", open.ctx->address());
-    std::string text;
-    try {
-      keyed.ctx->send(0, make_message(MessageType::Request, 1, "hello"));
-    } catch (const DistNetworkError& e) {
-      text = e.what();
-    }
+    const std::string text = send_failure(keyed, 0, make_message(MessageType::Request, 1, "hello"));
     CHECK(contains(text, "refused our handshake"));
     CHECK(contains(log.wait_for("worker 'w9'"),
                    "authentication failed: worker 'w9' (id 9) has a shared secret configured, "
@@ -424,18 +418,11 @@ void refused_identities_scenario() {
     CHECK(open.inbox.message_count() == 0);
   }
   {
-    // Worker 2's address points at a worker 1 (not the one a works with: on Tcp the dialler's
-    // hang-up after the failed check reaches the answering side as the loss of worker 0, since
-    // its listener adopts a connection as soon as it has sent its own Hello; Shm checks the
-    // identity before anything is adopted): the handshake reply exposes the mistake.
+    // Worker 2's address points at a worker 1 a does not work with (wrong_address_scenario has
+    // one it does): the handshake reply exposes the mistake.
     NodeOf<P> stranger(options_for(1, token));
     a.ctx->add_peer(2, "w2", stranger.ctx->address());
-    std::string text;
-    try {
-      a.ctx->send(2, make_message(MessageType::Request, 1, "x"));
-    } catch (const DistNetworkError& e) {
-      text = e.what();
-    }
+    const std::string text = send_failure(a, 2, make_message(MessageType::Request, 1, "x"));
     CHECK(contains(text, "worker 2 ('w2')"));
     CHECK(contains(text, "reached worker 1 ('w1')"));
     CHECK(stranger.inbox.message_count() == 0);  // nothing of it was delivered
@@ -447,6 +434,65 @@ void refused_identities_scenario() {
     CHECK(n->inbox.lost.empty());  // neither good peer was reported lost
   }
   CHECK_FALSE(contains(log.all(), token));  // no diagnostic holds the secret
+}
+
+// An address that leads to a worker we already work with (a stale or mistyped address): the
+// dialler finds the wrong identity in the reply and hangs up. That hang-up must not reach the
+// worker it dialled as the loss of the dialler, with or without a secret: the answering side takes
+// a connection into use only once the dialler has confirmed whom it reached.
+template <class P>
+void wrong_address_scenario() {
+  for (const std::string token : {"", "s3cret"}) {
+    CAPTURE(token);
+    NodeOf<P> a(options_for(0, token)), b(options_for(1, token));
+    introduce(a, 0, b, 1);
+    check_still_works(a, b, 1);
+    const std::size_t b_had = b.inbox.message_count();
+    a.ctx->add_peer(2, "w2", b.ctx->address());
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const std::string text = send_failure(a, 2, make_message(MessageType::Request, 1, "for w2"));
+      CHECK(contains(text, "worker 2 ('w2')"));
+      CHECK(contains(text, "reached worker 1 ('w1') instead"));
+    }
+    std::this_thread::sleep_for(200ms);  // time for a wrongly reported loss to arrive
+    check_still_works(a, b, 2);
+    CHECK(b.inbox.message_count() == b_had + 1);  // nothing meant for w2 was delivered
+    for (auto* n : {&a, &b}) {
+      std::lock_guard<std::mutex> lk(n->inbox.mu);
+      CHECK(n->inbox.lost.empty());
+    }
+  }
+}
+
+// The worker moved (add_peer() at a new address) while a send() was still dialling its old
+// address, where nothing answers any more: the send gives up there and reaches the new address,
+// well within connect_timeout.
+template <class P>
+void moved_during_dial_scenario() {
+  NodeOf<P> a(options_for(0, "", 8s)), replacement(options_for(7, ""));
+  a.ctx->add_peer(7, "w7", Traits<P>::ghost_address());
+  std::promise<std::string> sent;
+  std::thread sender([&] {
+    try {
+      a.ctx->send(7, make_message(MessageType::Request, 1, "for the replacement"));
+      sent.set_value("");
+    } catch (const DistNetworkError& e) {
+      sent.set_value(e.what());
+    }
+  });
+  std::this_thread::sleep_for(300ms);  // the dial is retrying the old address by now
+  a.ctx->add_peer(7, "w7", replacement.ctx->address());
+  std::future<std::string> outcome = sent.get_future();
+  const bool prompt = outcome.wait_for(3s) == std::future_status::ready;
+  CHECK(prompt);
+  sender.join();  // within connect_timeout (8 s) either way
+  CHECK(outcome.get() == "");
+  REQUIRE(replacement.inbox.wait_messages(1, 5s));
+  {
+    std::lock_guard<std::mutex> lk(replacement.inbox.mu);
+    CHECK(replacement.inbox.messages[0].second.payload == "for the replacement");
+  }
+  CHECK(a.inbox.lost_count() == 0);
 }
 
 template <class P>
@@ -928,6 +974,10 @@ DISTRPC_CONFORMANCE(
     nothing_listens_scenario)
 DISTRPC_CONFORMANCE("an unknown peer, a wrong or missing secret and another identity are refused",
                     refused_identities_scenario)
+DISTRPC_CONFORMANCE("an address leading to a worker we work with: refused, and nobody is lost",
+                    wrong_address_scenario)
+DISTRPC_CONFORMANCE("a worker moved while a send dials its dead address: the send follows it",
+                    moved_during_dial_scenario)
 DISTRPC_CONFORMANCE("a destroyed peer context is reported lost within 2 s, once",
                     destroyed_peer_scenario)
 DISTRPC_CONFORMANCE("a peer lost and registered again is reached afresh, and lost once more",

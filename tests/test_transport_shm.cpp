@@ -7,6 +7,7 @@
 // test_transport_conformance.cpp.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,6 +80,23 @@ std::vector<std::string> maps_lines(const std::string& part) {
     if (contains(line, part)) out.push_back(line);
   }
   return out;
+}
+
+// Resident kB of this process's mappings naming `part` (/proc/self/smaps: a mapping's line, then
+// its fields, each a word ending in ':').
+long resident_kb(const std::string& part) {
+  std::ifstream in("/proc/self/smaps");
+  long kb = 0;
+  bool named = false;
+  for (std::string line; std::getline(in, line);) {
+    const std::string first = line.substr(0, line.find(' '));
+    if (first.empty() || first.back() != ':') {
+      named = contains(line, part);
+    } else if (named && first == "Rss:") {
+      kb += std::stol(line.substr(first.size()));
+    }
+  }
+  return kb;
 }
 
 // The names in /dev/shm, and every "@distrpc-shm-<pid>-..." abstract socket whose pid is dead
@@ -177,6 +196,7 @@ TEST_CASE("shm: a send whose tensor segment cannot be made names the peer; the p
   CHECK(text.find("send of Request message 2 to worker 1 ('w1')") != std::string::npos);
   CHECK(text.find("segment") != std::string::npos);
   CHECK(text.find("Too many open files") != std::string::npos);
+  CHECK(text.rfind("distrpc shm: ") == 0);  // said once, at the start
   // Nothing was written: the connection is still usable, and nothing was reported lost.
   a.ctx->send(1, make_message(MessageType::Request, 3, "big", {big}));
   REQUIRE(b.inbox.wait_messages(2, 5s));
@@ -398,6 +418,50 @@ TEST_CASE("shm: an answer replayed on a new connection is refused") {
                  "answer)"));
   CHECK_FALSE(contains(log.all(), token));
   CHECK(a.inbox.lost_count() == 0);  // neither ever became a peer
+}
+
+TEST_CASE("shm: a dial under way when add_peer() moves the worker reaches the new address") {
+  namespace sd = distrpc::transport::shm::detail;
+  // The old incarnation of worker 7, played by hand on its own abstract socket: it answers the
+  // dial only once the test has registered worker 7 at its replacement's address.
+  const std::string old_address =
+      std::string(sd::kAddressPrefix) + std::to_string(::getpid()) + "-old-incarnation";
+  const int lfd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  REQUIRE(lfd >= 0);
+  sockaddr_un sa;
+  const socklen_t len = sd::abstract_sockaddr(old_address, sa);
+  REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&sa), len) == 0);
+  REQUIRE(::listen(lfd, 4) == 0);
+  std::promise<void> dialled, moved;
+  std::future<void> moved_done = moved.get_future();
+  std::atomic<bool> hung_up{false};
+  std::thread old_incarnation([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    std::string hello(sd::kMaxHelloFrameBytes, '\0');
+    (void)::recv(fd, hello.data(), hello.size(), 0);
+    dialled.set_value();
+    moved_done.wait();
+    const std::atomic<bool> never{false};
+    const auto soon = [] { return std::chrono::steady_clock::now() + 5s; };
+    distrpc::wire::Hello h;
+    h.worker_id = 7;
+    h.worker_name = "w7";
+    const std::string reply = sd::hello_packet(h);
+    const auto efd = sd::make_eventfd();
+    const int efd_raw = efd.get();
+    // The dialler sees the move after our Hello and hangs up before it hands over its ring.
+    sd::Packet setup;
+    hung_up = sd::send_packet(fd, reply.data(), reply.size(), &efd_raw, 1, soon(), never) == 0 &&
+              sd::recv_packet(fd, setup, soon(), never) == sd::kPeerClosed;
+    ::close(fd);
+  });
+  ShmNode a(0), replacement(7);
+  a.ctx->add_peer(7, "w7", old_address);
+  distrpc::testing::check_send_follows_move(a, replacement, dialled.get_future(), moved);
+  old_incarnation.join();
+  ::close(lfd);
+  CHECK(hung_up.load());  // no ring was handed to the old incarnation
 }
 
 TEST_CASE("shm: a corrupted ring header drops the connection with a reason; the process lives") {
@@ -978,6 +1042,32 @@ TEST_CASE("shm records: a buffer placed in a segment is a view of the segment's 
           "buffer 0 of 100 bytes at offset 4046 reaches outside segment 3 of 4096 bytes");
   }
   CHECK(asked.size() == 1);
+}
+
+TEST_CASE("shm records: a segment the peer never filled is mapped without committing its memory") {
+  const std::uint64_t cap = 64 << 20;
+  const std::size_t size = sd::kSegmentHeaderBytes + cap;
+  const auto write_header = [&](int fd) {
+    const std::uint64_t header[2] = {sd::kSegmentMagic, cap};
+    REQUIRE(::pwrite(fd, header, sizeof header, 0) == static_cast<ssize_t>(sizeof header));
+  };
+  // As a hostile peer makes it: sealed, announced at 64 MiB, nothing but its header written.
+  auto empty = sd::make_memfd("distrpc-shm test empty segment", size);
+  write_header(empty.get());
+  const auto hollow = sd::adopt_segment(empty.get(), 1, cap, cap);
+  CHECK(hollow->capacity == cap);
+  CHECK(sd::allocated_bytes(empty.get()) < (1 << 20));
+  CHECK(resident_kb("distrpc-shm test empty segment") < 1024);
+  // As our writer makes it: every page filled first. Then the receiver's mapping is filled in bulk.
+  auto full = sd::make_memfd("distrpc-shm test full segment", size);
+  std::memset(sd::map_shared(full.get(), size, /*prefault=*/false)->base(), 1, size);
+  write_header(full.get());
+  REQUIRE(sd::allocated_bytes(full.get()) >= size);
+  const auto filled = sd::adopt_segment(full.get(), 2, cap, cap);
+  // Prefaulting is advice (MADV_POPULATE_WRITE, Linux 5.14): without it there is nothing to see.
+  if (::madvise(filled->map->base(), 4096, sd::kMadvPopulateWrite) == 0) {
+    CHECK(resident_kb("distrpc-shm test full segment") == static_cast<long>(size / 1024));
+  }
 }
 
 TEST_CASE("shm records: a corrupted record header is an error naming what was wrong") {

@@ -191,7 +191,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     ::close(fd);
     CHECK(contains(log.wait_for("protocol version"),
                    "bad handshake: peer speaks distrpc protocol version 3 but this build speaks "
-                   "version 5"));
+                   "version 6"));
   }
   SUBCASE("a wrong secret") {
     const int fd = raw_connect(addr);
@@ -320,6 +320,60 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
   check_still_works(a, b, 2);
   CHECK_FALSE(contains(log.all(), token));  // no diagnostic holds the secret
   // The bad peer is not the good one: worker 1 was never reported lost.
+  std::lock_guard<std::mutex> lk(a.inbox.mu);
+  for (auto& [peer, reason] : a.inbox.lost) CHECK(peer != 1);
+}
+
+TEST_CASE("tcp: without a secret, nothing is taken into use before the dialler's Confirm") {
+  TcpNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  check_still_works(a, b, 1);
+  const std::string addr = a.ctx->address();
+  LogLines log;
+  // Worker 7's Hello and a's reply, by hand; what follows is up to the subcase.
+  const auto hellos_exchanged = [&] {
+    const int fd = raw_connect(addr);
+    raw_write(fd, hello_frame(7, "w7", std::nullopt));
+    distrpc::wire::Hello reply;
+    REQUIRE(raw_read_hello(fd, reply));
+    CHECK(reply.worker_id == 0);
+    CHECK_FALSE(reply.nonce.has_value());
+    return fd;
+  };
+  SUBCASE("a dialler that hangs up after the Hellos (it reached the wrong worker) is no loss") {
+    ::close(hellos_exchanged());
+    CHECK(contains(log.wait_for("during the handshake"),
+                   ": the peer closed the connection during the handshake"));
+    std::this_thread::sleep_for(200ms);  // time for a wrongly reported loss to arrive
+    CHECK(a.inbox.lost_count() == 0);
+  }
+  SUBCASE("a message in place of the Confirm is refused, and never delivered") {
+    const int fd = hellos_exchanged();
+    raw_write(fd, frame_bytes(make_message(MessageType::Request, 5, "early")));
+    CHECK(closed_by_server(fd));
+    ::close(fd);
+    CHECK(contains(log.wait_for("did not confirm"),
+                   "bad handshake: worker 'w7' (id 7) did not confirm the handshake (got a "
+                   "Request frame of 5 payload bytes)"));
+    CHECK(a.inbox.message_count() == 1);  // only the first still-alive message
+    CHECK(a.inbox.lost_count() == 0);
+  }
+  SUBCASE("after the Confirm, the raw peer's messages are delivered") {
+    // The positive control: the same raw peer, confirming, becomes worker 7.
+    const int fd = hellos_exchanged();
+    raw_write(fd, frame_bytes(distrpc::wire::encode_confirm()) +
+                      frame_bytes(make_message(MessageType::Request, 77, "confirmed")));
+    REQUIRE(a.inbox.wait_messages(2));
+    {
+      std::lock_guard<std::mutex> lk(a.inbox.mu);
+      CHECK(a.inbox.messages[1].first == 7);
+      CHECK(a.inbox.messages[1].second.payload == "confirmed");
+    }
+    ::close(fd);
+    REQUIRE(a.inbox.wait_lost(1, 2s));  // now it was a peer, so its hang-up is its loss
+    CHECK(a.inbox.lost[0].first == 7);
+  }
+  check_still_works(a, b, 2);
   std::lock_guard<std::mutex> lk(a.inbox.mu);
   for (auto& [peer, reason] : a.inbox.lost) CHECK(peer != 1);
 }
@@ -615,6 +669,50 @@ TEST_CASE("tcp: a DISTRPC_RECV_CACHE_MB that is not a number of MiB fails the st
   CHECK(distrpc::wire::RecvStorage::limit_from_env() == std::size_t{128} << 20);
 }
 
+TEST_CASE("tcp: a dial under way when add_peer() moves the worker reaches the new address") {
+  // The old incarnation of worker 7, played by hand: it answers the dial only once the test has
+  // registered worker 7 at its replacement's address, then records what else it is sent.
+  const auto listener = raw_listen();  // lambdas below capture lfd: no structured binding
+  const int lfd = listener.first;
+  std::promise<void> dialled, moved;
+  std::future<void> moved_done = moved.get_future();
+  std::string after_hello;
+  std::thread old_incarnation([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string header(distrpc::wire::kFrameFixedBytes, '\0');
+    if (::recv(fd, header.data(), header.size(), MSG_WAITALL) ==
+        static_cast<ssize_t>(header.size())) {
+      std::string payload(distrpc::wire::decode_frame_header(header).payload_bytes, '\0');
+      (void)::recv(fd, payload.data(), payload.size(), MSG_WAITALL);
+    }
+    dialled.set_value();
+    moved_done.wait();
+    distrpc::wire::Hello h;
+    h.worker_id = 7;
+    h.worker_name = "w7";
+    const std::string reply = frame_bytes(distrpc::wire::encode_hello(h));
+    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      after_hello.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+  });
+  TcpNode a(0), replacement(7);
+  a.ctx->add_peer(7, "w7", listener.second);
+  distrpc::testing::check_send_follows_move(a, replacement, dialled.get_future(), moved);
+  old_incarnation.join();
+  ::close(lfd);
+  // Nothing after its Hello: the dialler saw the move and hung up before confirming, so the old
+  // incarnation never took the connection into use.
+  CHECK(after_hello.empty());
+}
+
 // A peer whose host vanished: our send to it is blocked (nothing reads or acknowledges our bytes,
 // and TCP would retry for many minutes) when its other connection is found broken. The loss
 // reported there also ends the blocked send, with the reason. The vanished peer is a raw socket
@@ -671,6 +769,7 @@ TEST_CASE("tcp: a peer reported lost also fails a send blocked on our connection
   raw_write(in, hello_frame(7, "w7", std::nullopt));
   distrpc::wire::Hello reply;
   REQUIRE(raw_read_hello(in, reply));
+  raw_write(in, frame_bytes(distrpc::wire::encode_confirm()));
   ::close(in);
   REQUIRE(a.inbox.wait_lost(1, 5s));
   const bool ended = outcome.wait_for(3s) == std::future_status::ready;

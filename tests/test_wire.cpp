@@ -733,12 +733,12 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
                        "handshake with a proof but no nonce (the acceptor sends both)",
                        wire::EncodeError);
 
-  // Version 5: the version stays the first field, so an older or newer peer is told in words.
-  CHECK(wire::kProtocolVersion == 5);
+  // Version 6: the version stays the first field, so an older or newer peer is told in words.
+  CHECK(wire::kProtocolVersion == 6);
   wire::Hello old = hello;
-  old.protocol_version = 4;
+  old.protocol_version = 5;
   CHECK_THROWS_WITH_AS(wire::decode_hello(wire::encode_hello(old)),
-                       "peer speaks distrpc protocol version 4 but this build speaks version 5",
+                       "peer speaks distrpc protocol version 5 but this build speaks version 6",
                        wire::ProtocolError);
   wire::Message not_hello = m;
   not_hello.type = wire::MessageType::Request;
@@ -766,6 +766,29 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
   CHECK_THROWS_WITH_AS(wire::decode_auth_answer(m, "worker 'w' (id 1)"),
                        "authentication failed: worker 'w' (id 1) did not answer our challenge "
                        "with a proof (got a Handshake frame of 88 payload bytes)",
+                       wire::ProtocolError);
+
+  // The dialler's Confirm frame (no secret): the version alone, and nothing else passes for it.
+  const wire::Message confirm = wire::encode_confirm();
+  CHECK(confirm.payload.size() == 4);
+  CHECK_NOTHROW(wire::check_confirm(transmit(confirm), "worker 'w' (id 1)"));
+  const std::string not_confirmed = "worker 'w' (id 1) did not confirm the handshake (got a ";
+  CHECK_THROWS_WITH_AS(wire::check_confirm(m, "worker 'w' (id 1)"),
+                       (not_confirmed + "Handshake frame of 88 payload bytes)").c_str(),
+                       wire::ProtocolError);
+  CHECK_THROWS_WITH_AS(wire::check_confirm(answer, "worker 'w' (id 1)"),
+                       (not_confirmed + "Handshake frame of 36 payload bytes)").c_str(),
+                       wire::ProtocolError);
+  wire::Message older = confirm;
+  patch(older.payload, 0, 5, 4);
+  CHECK_THROWS_WITH_AS(wire::check_confirm(older, "worker 'w' (id 1)"),
+                       "worker 'w' (id 1) confirmed the handshake with protocol version 5 but "
+                       "this build speaks version 6",
+                       wire::ProtocolError);
+  wire::Message request = confirm;
+  request.type = wire::MessageType::Request;
+  CHECK_THROWS_WITH_AS(wire::check_confirm(request, "worker 'w' (id 1)"),
+                       (not_confirmed + "Request frame of 4 payload bytes)").c_str(),
                        wire::ProtocolError);
 }
 

@@ -1,7 +1,8 @@
 // libFuzzer target: the handshake (wire/handshake.hpp, wire/auth.hpp) as a peer's packets reach
 // it: the Shm transport's packet parsers (a frame header and its payload: parse_hello_packet,
 // parse_auth_answer_packet), and the Tcp transport's path (frames, then decode_hello /
-// decode_auth_answer), then the authentication decisions both sides take on a decoded Hello.
+// decode_auth_answer / check_confirm), then the authentication decisions both sides take on a
+// decoded Hello.
 // Only wire::ProtocolError may come out.
 #include "common.hpp"
 
@@ -68,6 +69,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       try {
         (void)wire::decode_auth_answer(m, "the fuzzer");
+      } catch (const wire::ProtocolError&) {
+      }
+      try {
+        wire::check_confirm(m, "the fuzzer");
       } catch (const wire::ProtocolError&) {
       }
     });

@@ -83,8 +83,9 @@ void frame_seeds() {
   // The first byte: the size of the pieces the target feeds (1 + byte % 64).
   write_seed("fuzz_frame", "three_buffers", std::string(1, '\x07') + frame(one));
   write_seed("fuzz_frame", "two_frames", std::string(1, '\x3f') + frame(control) + frame(one));
-  write_seed("fuzz_frame", "handshake",
-             std::string(1, '\x00') + frame(wire::encode_hello({4, "w", 0, {}, {}})));
+  write_seed(
+      "fuzz_frame", "handshake",
+      std::string(1, '\x00') + frame(wire::encode_hello({wire::kProtocolVersion, "w", 0, {}, {}})));
 }
 
 void handshake_seeds() {
@@ -108,6 +109,7 @@ void handshake_seeds() {
   write_seed("fuzz_handshake", "hello_answer", transport::shm::detail::hello_packet(acceptor));
   const auto proof = wire::answer_acceptor(dialler, acceptor, std::string("secret"));
   write_seed("fuzz_handshake", "auth_answer", transport::shm::detail::auth_answer_packet(*proof));
+  write_seed("fuzz_handshake", "confirm", frame(wire::encode_confirm()));
 }
 
 void tensor_seeds() {

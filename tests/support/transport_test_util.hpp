@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -205,6 +206,42 @@ void check_still_works(N& a, N& b, std::uint64_t id) {
   std::lock_guard<std::mutex> lk(b.inbox.mu);
   CHECK(b.inbox.messages.back().first == 0);
   CHECK(same_bytes(b.inbox.messages.back().second.buffers.at(0), pattern_bytes(100000, 5)));
+}
+
+// Worker 7 moved by add_peer() while a's send() to it dials its old address, where an old
+// incarnation played by hand has taken the Hello and answers only once `moved` is set: the send
+// reaches `replacement` (at the new address), nothing reached the old one, and nobody is lost.
+// The caller then checks what its old incarnation saw.
+template <class N>
+void check_send_follows_move(N& a, N& replacement, std::future<void> dialled,
+                             std::promise<void>& moved) {
+  std::promise<std::string> sent;
+  std::thread sender([&] {
+    try {
+      a.ctx->send(7, make_message(wire::MessageType::Request, 1, "for the replacement"));
+      sent.set_value("");
+    } catch (const DistNetworkError& e) {
+      sent.set_value(e.what());
+    }
+  });
+  // (A REQUIRE failing while the threads run ends the binary: loudly, not a hang.)
+  REQUIRE(dialled.wait_for(10s) == std::future_status::ready);
+  a.ctx->add_peer(7, "w7", replacement.ctx->address());
+  moved.set_value();
+  std::future<std::string> outcome = sent.get_future();
+  REQUIRE(outcome.wait_for(10s) == std::future_status::ready);
+  CHECK(outcome.get() == "");
+  sender.join();
+  REQUIRE(replacement.inbox.wait_messages(1, 5s));
+  {
+    std::lock_guard<std::mutex> lk(replacement.inbox.mu);
+    CHECK(replacement.inbox.messages[0].first == 0);
+    CHECK(replacement.inbox.messages[0].second.payload == "for the replacement");
+  }
+  std::this_thread::sleep_for(200ms);  // time for a wrongly reported loss to arrive
+  CHECK(a.inbox.lost_count() == 0);
+  a.ctx->send(7, make_message(wire::MessageType::Request, 2, "again"));
+  REQUIRE(replacement.inbox.wait_messages(2, 5s));
 }
 
 // Every diagnostic written while alive (a user sink, whatever the default routing is): for the

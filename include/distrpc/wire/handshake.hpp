@@ -6,8 +6,12 @@
 //
 // With a secret, a connection opens in three frames: the dialler's Hello (its nonce), the
 // acceptor's Hello (its nonce and its proof over both), then the dialler's AuthAnswer (its proof).
-// Each side checks the other's proof before it trusts the connection. Without one, the two Hellos
-// are the whole handshake.
+// Each side checks the other's proof before it trusts the connection. Without one, the Tcp
+// dialler's third frame is a Confirm (the version only): it says the dialler found the identity it
+// meant to reach. Either way the Tcp acceptor takes the connection into use only after the third
+// frame, so a dialler that reached the wrong worker (a stale address) hangs up, and that hang-up
+// is no loss of the dialler. (Shm sends no Confirm: its dialler's ring setup comes after the same
+// check.)
 #pragma once
 
 #include <distrpc/wire/auth.hpp>
@@ -29,7 +33,8 @@ namespace distrpc::wire {
 // 3: (current transports). 4: the Hello carries a nonce and a proof instead of the secret, and an
 // AuthAnswer frame follows when a secret is configured. 5: a layer's control message with id 0
 // gets no answer; distributed autograd's gradients message carries its backward before its tensors.
-inline constexpr std::uint32_t kProtocolVersion = 5;
+// 6: without a secret, the Tcp dialler's Confirm frame follows the two Hellos.
+inline constexpr std::uint32_t kProtocolVersion = 6;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
 
@@ -179,6 +184,31 @@ inline auth::Proof decode_auth_answer(const Message& m, const std::string& who) 
   auth::Proof p{};
   std::memcpy(p.data(), m.payload.data() + 4, p.size());
   return p;
+}
+
+// The dialler's third frame without a secret: it reached the worker it dialled. Payload: u32
+// protocol_version.
+inline Message encode_confirm() {
+  Message m;
+  m.type = MessageType::Handshake;
+  m.id = 0;
+  m.payload.resize(4);
+  detail::put_le<std::uint32_t>(m.payload.data(), kProtocolVersion);
+  return m;
+}
+
+// Throws ProtocolError naming `who` when the frame is not a Confirm of this version.
+inline void check_confirm(const Message& m, const std::string& who) {
+  if (m.type != MessageType::Handshake || !m.buffers.empty() || m.payload.size() != 4) {
+    throw ProtocolError(who + " did not confirm the handshake (got a " + to_string(m.type) +
+                        " frame of " + std::to_string(m.payload.size()) + " payload bytes)");
+  }
+  const auto version = detail::get_le<std::uint32_t>(m.payload.data());
+  if (version != kProtocolVersion) {
+    throw ProtocolError(who + " confirmed the handshake with protocol version " +
+                        std::to_string(version) + " but this build speaks version " +
+                        std::to_string(kProtocolVersion));
+  }
 }
 
 // The acceptor, on the dialler's Hello: both sides have a secret, or neither does. The error

@@ -79,6 +79,7 @@
 #include "distrpc/net/spin.hpp"
 #include "distrpc/net/tls.hpp"
 #include "distrpc/net/wait_fd.hpp"
+#include "distrpc/transport/detail/dial_registered.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 #include "distrpc/transport/detail/impl_context.hpp"
 #include "distrpc/transport/detail/peer_liveness.hpp"
@@ -774,15 +775,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     hs_write(h, h->reply_bytes, [this, h](const std::string& werr) {
       if (h->finished || stopping_.load()) return;
       if (!werr.empty()) return fail_handshake(*h, werr);
-      if (token_) return read_auth_answer(h);
-      h->finished = true;
-      h->timer.cancel();
-      adopt_incoming(*h);
+      read_auth_answer(h);
     });
   }
 
-  // With a secret: the dialler's proof (an AuthAnswer frame) comes next; nothing is adopted
-  // before it checks out.
+  // The dialler's third frame comes next: with a secret its proof (an AuthAnswer), without one a
+  // Confirm. Nothing is adopted before it checks out, so a dialler that finds it reached the wrong
+  // worker hangs up on a connection that never was a peer's, and nobody is reported lost.
   void read_auth_answer(const std::shared_ptr<PendingHandshake>& h) {
     hs_read(h, h->fixed.data(), h->fixed.size(),
             [this, h](const std::string& err) { on_answer_header(h, err); });
@@ -807,9 +806,13 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (h->finished || stopping_.load()) return;
     if (!err.empty()) return fail_handshake(*h, err);
     try {
-      const wire::auth::Proof answer =
-          wire::decode_auth_answer(h->request, wire::hello_who(h->hello));
-      wire::verify_dialler_answer(h->mine, h->hello, answer, *token_);
+      if (token_) {
+        const wire::auth::Proof answer =
+            wire::decode_auth_answer(h->request, wire::hello_who(h->hello));
+        wire::verify_dialler_answer(h->mine, h->hello, answer, *token_);
+      } else {
+        wire::check_confirm(h->request, wire::hello_who(h->hello));
+      }
     } catch (const std::exception& e) {
       return fail_handshake(*h, std::string("bad handshake: ") + e.what());
     }
@@ -902,28 +905,42 @@ class Impl : public std::enable_shared_from_this<Impl> {
     if (p->attempts.load() != seen && !p->last_failure.empty()) {
       throw DistNetworkError(p->last_failure);
     }
-    std::string name, address;
-    {
-      std::lock_guard<std::mutex> lk(p->mu);
-      name = p->name;
-      address = p->address;
+    for (;;) {
+      // Read before the dial's address: a move after it makes this generation an old one.
+      std::uint64_t generation = 0;
+      {
+        std::lock_guard<std::mutex> lk(p->mu);
+        generation = p->liveness.generation();
+      }
+      auto [c, address] = transport::detail::dial_registered(
+          *p, [&](const std::string& name, const std::string& at) { return dial(id, name, at); });
+      if (!c) continue;  // moved while it was dialled: the new address next
+      bool moved = false;
+      std::string now_at;
+      {
+        std::lock_guard<std::mutex> lk(p->mu);
+        // Moved after the dial's last look (before its Confirm): what answered at the old address
+        // is the incarnation being replaced, so the message goes to the new one instead. The
+        // connection keeps the generation it was dialled in (no longer current), so closing it is
+        // no loss.
+        moved = p->address != address;
+        now_at = p->address;
+        c->generation = moved ? generation : p->liveness.generation();
+        if (!moved) p->out = c;
+      }
+      if (!moved) {
+        start_reading(c);
+        return c;
+      }
+      lose(c, "worker " + std::to_string(id) + " was registered at a new address (" + now_at +
+                  ") while it was dialled");
     }
-    std::shared_ptr<Connection> c;
-    try {
-      c = dial(id, name, address);
-    } catch (const DistNetworkError& e) {
-      p->last_failure = e.what();
-      p->attempts.fetch_add(1);
-      throw;
-    }
-    p->last_failure.clear();
-    {
-      std::lock_guard<std::mutex> lk(p->mu);
-      c->generation = p->liveness.generation();
-      p->out = c;
-    }
-    start_reading(c);
-    return c;
+  }
+
+  // True when add_peer() has registered worker `id` at another address than `address`.
+  bool moved_away(int id, const std::string& address) {
+    auto p = find_peer(id);
+    return p && transport::detail::moved_away(*p, address);
   }
 
   std::shared_ptr<Connection> dial(int id, const std::string& name, const std::string& address) {
@@ -937,6 +954,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     Fd fd = net::dial_with_backoff(
         timing, stopping_,
         [&](net::DialFailure& failure) -> std::optional<Fd> {
+          if (moved_away(id, address)) throw error("it was registered at a new address");
           const int raw = try_connect(hp, timing.deadline(), failure.text, failure.err);
           if (raw >= 0) return Fd(raw);
           return std::nullopt;
@@ -1085,13 +1103,18 @@ class Impl : public std::enable_shared_from_this<Impl> {
         !wrong.empty()) {
       throw error(wrong);
     }
-    if (answer) {
-      const wire::Message m = wire::encode_auth_answer(*answer);
+    // Moved meanwhile: hung up before this frame, so the old incarnation takes nothing into use
+    // (and reports nobody lost); the caller dials the new address.
+    if (moved_away(id, address)) throw error("it was registered at a new address");
+    {
+      // The acceptor takes the connection into use only after this frame (see read_auth_answer).
+      const wire::Message m = answer ? wire::encode_auth_answer(*answer) : wire::encode_confirm();
       std::string answer_header = wire::encode_frame_header(m);
       std::array<iovec, 2> aiov{iovec{answer_header.data(), answer_header.size()},
                                 iovec{const_cast<char*>(m.payload.data()), m.payload.size()}};
       if (const int err = send_bytes(aiov.data(), aiov.size())) {
-        throw failed("sending our answer to its challenge: ", err);
+        throw failed(
+            answer ? "sending our answer to its challenge: " : "confirming the handshake: ", err);
       }
     }
     auto c = std::make_shared<Connection>();

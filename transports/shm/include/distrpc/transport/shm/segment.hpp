@@ -217,8 +217,8 @@ inline std::shared_ptr<RecvSegment> adopt_segment(int fd, std::uint32_t id, std:
                               std::to_string(size - kSegmentHeaderBytes));
   }
   auto s = std::make_shared<RecvSegment>();
-  // Mapped in bulk: its pages exist already, so this only fills page tables, once per segment.
-  s->map = map_shared(fd, static_cast<std::size_t>(size), /*prefault=*/true);
+  // The writer filled its pages: mapped in bulk, this only fills page tables, once per segment.
+  s->map = map_peer_memory(fd, static_cast<std::size_t>(size));
   s->capacity = announced;
   const auto* ctl = s->control();
   if (ctl->magic != kSegmentMagic || ctl->capacity != announced) {

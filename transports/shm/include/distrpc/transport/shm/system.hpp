@@ -26,6 +26,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -73,6 +74,15 @@ inline void populate(void* p, std::size_t n) {
   ::madvise(p, n, kMadvPopulateWrite);
 }
 
+// The text of an error thrown here, without its "distrpc shm: " prefix: for callers that wrap it
+// in a text of their own, which already starts so.
+inline std::string reason_without_prefix(const std::exception& e) {
+  constexpr std::string_view kPrefix = "distrpc shm: ";
+  std::string_view text = e.what();
+  if (text.substr(0, kPrefix.size()) == kPrefix) text.remove_prefix(kPrefix.size());
+  return std::string(text);
+}
+
 inline std::shared_ptr<Mapping> map_shared(int fd, std::size_t size, bool prefault) {
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
@@ -82,6 +92,21 @@ inline std::shared_ptr<Mapping> map_shared(int fd, std::size_t size, bool prefau
   auto m = std::make_shared<Mapping>(p, size);
   if (prefault) populate(p, size);
   return m;
+}
+
+// Bytes of memory the file holds already (its allocated blocks; 0 when fstat fails).
+inline std::uint64_t allocated_bytes(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return 0;
+  return static_cast<std::uint64_t>(st.st_blocks) * 512;
+}
+
+// Maps shared memory a peer made (a ring, a segment). Its page tables are filled in bulk only when
+// the peer has filled its pages already, as ours does: prefaulting pages it never touched would
+// allocate them, so a peer announcing a ring or segment of up to the limit and writing nothing
+// could make this process commit all of it. Unfilled, a page is allocated when a record touches it.
+inline std::shared_ptr<Mapping> map_peer_memory(int fd, std::size_t size) {
+  return map_shared(fd, size, /*prefault=*/allocated_bytes(fd) >= size);
 }
 
 // An anonymous, sealed memfd of `size` bytes. `name` only shows in /proc/<pid>/fd and maps.

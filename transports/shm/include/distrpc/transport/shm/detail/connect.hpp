@@ -10,7 +10,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include "distrpc/net/dial.hpp"
+#include "distrpc/transport/detail/dial_registered.hpp"
 #include "distrpc/transport/detail/identity.hpp"
 
 #include "distrpc/transport/shm/detail/impl.hpp"
@@ -53,21 +55,19 @@ inline std::shared_ptr<OutConn> Impl::connection_to(int id) {
   if (p->attempts.load() != seen && !p->last_failure.empty()) {
     throw DistNetworkError(p->last_failure);
   }
-  std::string name, address;
-  {
-    std::lock_guard<std::mutex> lk(p->mu);
-    name = p->name;
-    address = p->address;
-  }
   std::shared_ptr<OutConn> c;
-  try {
-    c = dial(id, name, address);
-  } catch (const DistNetworkError& e) {
-    p->last_failure = e.what();
-    p->attempts.fetch_add(1);
-    throw;
+  for (;;) {
+    std::string address;
+    std::tie(c, address) = transport::detail::dial_registered(
+        *p, [&](const std::string& name, const std::string& at) { return dial(id, name, at); });
+    if (!c) continue;  // moved while it was dialled: the new address next
+    std::lock_guard<std::mutex> lk(p->mu);
+    // Moved after the dial's last look (before it handed over its ring): what answered at the old
+    // address is the incarnation being replaced, so the message goes to the new one instead.
+    // Closed before anything watches it, the connection is nobody's loss.
+    if (p->address == address) break;
+    c->close();
   }
-  p->last_failure.clear();
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_.load()) {
@@ -101,6 +101,7 @@ inline std::shared_ptr<OutConn> Impl::dial(int id, const std::string& name,
   Fd s = net::dial_with_backoff(
       timing, stopping_,
       [&](net::DialFailure& failure) -> std::optional<Fd> {
+        if (moved_away(id, address)) throw error("it was registered at a new address");
         Fd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
         if (!sock) throw error("socket: " + errno_text(errno));
         if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&sa), len) == 0) return sock;
@@ -167,6 +168,9 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
                   io_text(err, "the peer closed the connection"));
     }
   }
+  // Moved meanwhile: hung up before the ring is handed over, so the old incarnation takes nothing
+  // into use (and reports nobody lost); the caller dials the new address.
+  if (moved_away(id, address)) throw error("it was registered at a new address");
   const std::string label = "w" + std::to_string(options_.self_id) + "->w" + std::to_string(id);
   // Out of memory or descriptors here fails this dial, named like every other step of it.
   Fd ring_fd;
@@ -179,7 +183,7 @@ inline std::shared_ptr<OutConn> Impl::handshake(Fd sock, int id, const std::stri
     c = std::make_shared<OutConn>(std::move(map), kDefaultRingCapacity, label);
     c->space_efd = make_eventfd();
   } catch (const DistNetworkError& e) {
-    throw error(std::string("making the shared ring: ") + e.what());
+    throw error("making the shared ring: " + reason_without_prefix(e));
   }
   c->wake_efd = std::move(reply.fds[0]);
   const SetupPacket setup{kSetupMagic, kSetupVersion, kDefaultRingCapacity};

@@ -31,6 +31,7 @@
 #include "distrpc/bounded_thread.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/log.hpp"
+#include "distrpc/transport/detail/dial_registered.hpp"
 #include "distrpc/transport/detail/self.hpp"
 #include "distrpc/transport/shm/detail/connection.hpp"
 #include "distrpc/transport/shm/detail/protocol.hpp"
@@ -234,6 +235,11 @@ class Impl : public std::enable_shared_from_this<Impl> {
   // ---- connecting (connect.hpp) ---------------------------------------------------------------
 
   std::shared_ptr<OutConn> connection_to(int id);
+  // True when add_peer() has registered worker `id` at another address than `address`.
+  bool moved_away(int id, const std::string& address) {
+    auto p = find_peer(id);
+    return p && transport::detail::moved_away(*p, address);
+  }
   std::shared_ptr<OutConn> dial(int id, const std::string& name, const std::string& address);
   std::shared_ptr<OutConn> handshake(Fd sock, int id, const std::string& name,
                                      const std::string& address, const std::string& who,

@@ -202,7 +202,7 @@ inline void Impl::adopt_incoming(PendingHandshake& h, Packet& pkt) {
   const std::uint64_t size = checked_memfd_size(pkt.fds[0].get(), "the ring",
                                                 kRingHeaderBytes + cap, kRingHeaderBytes + cap);
   check_eventfd(pkt.fds[1].get(), "the writer's space eventfd");
-  auto map = map_shared(pkt.fds[0].get(), static_cast<std::size_t>(size), /*prefault=*/true);
+  auto map = map_peer_memory(pkt.fds[0].get(), static_cast<std::size_t>(size));
   check_new_ring(map->base(), cap);
   auto c = std::make_shared<InConn>(std::move(map), cap, options_.limits);
   c->peer = static_cast<int>(h.hello.worker_id);

@@ -47,8 +47,9 @@ inline void Impl::write_message(OutConn& c, const wire::Message& m) {
     } catch (const std::exception& e) {
       // Out of memory or descriptors here: nothing was written, so the connection stays usable
       // and only this send fails, naming the message and the peer.
-      throw DistNetworkError(send_failed("cannot make a " + std::to_string(seg_bytes) +
-                                         "-byte segment for its tensors: " + e.what()));
+      throw DistNetworkError(
+          send_failed("cannot make a " + std::to_string(seg_bytes) +
+                      "-byte segment for its tensors: " + reason_without_prefix(e)));
     }
   }
   try {
