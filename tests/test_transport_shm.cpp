@@ -459,6 +459,7 @@ TEST_CASE("shm: a dial under way when add_peer() moves the worker reaches the ne
   ShmNode a(0), replacement(7);
   a.ctx->add_peer(7, "w7", old_address);
   distrpc::testing::check_send_follows_move(a, replacement, dialled.get_future(), moved);
+  ::shutdown(lfd, SHUT_RDWR);  // ends an accept() still waiting, should the dial never have come
   old_incarnation.join();
   ::close(lfd);
   CHECK(hung_up.load());  // no ring was handed to the old incarnation
@@ -1056,8 +1057,9 @@ TEST_CASE("shm records: a segment the peer never filled is mapped without commit
   write_header(empty.get());
   const auto hollow = sd::adopt_segment(empty.get(), 1, cap, cap);
   CHECK(hollow->capacity == cap);
-  CHECK(sd::allocated_bytes(empty.get()) < (1 << 20));
-  CHECK(resident_kb("distrpc-shm test empty segment") < 1024);
+  // (Up to one 2 MiB page for the header, where shared memory uses transparent huge pages.)
+  CHECK(sd::allocated_bytes(empty.get()) < (4 << 20));
+  CHECK(resident_kb("distrpc-shm test empty segment") < 4096);
   // As our writer makes it: every page filled first. Then the receiver's mapping is filled in bulk.
   auto full = sd::make_memfd("distrpc-shm test full segment", size);
   std::memset(sd::map_shared(full.get(), size, /*prefault=*/false)->base(), 1, size);

@@ -706,6 +706,7 @@ TEST_CASE("tcp: a dial under way when add_peer() moves the worker reaches the ne
   TcpNode a(0), replacement(7);
   a.ctx->add_peer(7, "w7", listener.second);
   distrpc::testing::check_send_follows_move(a, replacement, dialled.get_future(), moved);
+  ::shutdown(lfd, SHUT_RDWR);  // ends an accept() still waiting, should the dial never have come
   old_incarnation.join();
   ::close(lfd);
   // Nothing after its Hello: the dialler saw the move and hung up before confirming, so the old

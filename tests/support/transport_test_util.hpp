@@ -224,24 +224,27 @@ void check_send_follows_move(N& a, N& replacement, std::future<void> dialled,
       sent.set_value(e.what());
     }
   });
-  // (A REQUIRE failing while the threads run ends the binary: loudly, not a hang.)
-  REQUIRE(dialled.wait_for(10s) == std::future_status::ready);
+  const bool dialling = dialled.wait_for(10s) == std::future_status::ready;
+  CHECK(dialling);
   a.ctx->add_peer(7, "w7", replacement.ctx->address());
   moved.set_value();
   std::future<std::string> outcome = sent.get_future();
-  REQUIRE(outcome.wait_for(10s) == std::future_status::ready);
+  const bool done = outcome.wait_for(10s) == std::future_status::ready;
+  CHECK(done);
+  sender.join();  // within connect_timeout either way: no REQUIRE may leave it running
   CHECK(outcome.get() == "");
-  sender.join();
-  REQUIRE(replacement.inbox.wait_messages(1, 5s));
-  {
+  // CHECKs only from here: the caller's thread playing the old incarnation is still to be joined.
+  const bool arrived = replacement.inbox.wait_messages(1, 5s);
+  CHECK(arrived);
+  if (arrived) {
     std::lock_guard<std::mutex> lk(replacement.inbox.mu);
     CHECK(replacement.inbox.messages[0].first == 0);
     CHECK(replacement.inbox.messages[0].second.payload == "for the replacement");
   }
   std::this_thread::sleep_for(200ms);  // time for a wrongly reported loss to arrive
   CHECK(a.inbox.lost_count() == 0);
-  a.ctx->send(7, make_message(wire::MessageType::Request, 2, "again"));
-  REQUIRE(replacement.inbox.wait_messages(2, 5s));
+  CHECK_NOTHROW(a.ctx->send(7, make_message(wire::MessageType::Request, 2, "again")));
+  CHECK(replacement.inbox.wait_messages(2, 5s));
 }
 
 // Every diagnostic written while alive (a user sink, whatever the default routing is): for the

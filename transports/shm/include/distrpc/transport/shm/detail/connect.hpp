@@ -55,37 +55,49 @@ inline std::shared_ptr<OutConn> Impl::connection_to(int id) {
   if (p->attempts.load() != seen && !p->last_failure.empty()) {
     throw DistNetworkError(p->last_failure);
   }
-  std::shared_ptr<OutConn> c;
   for (;;) {
+    // Read before the dial's address: a move after it makes this generation an old one.
+    std::uint64_t generation = 0;
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      generation = p->liveness.generation();
+    }
+    std::shared_ptr<OutConn> c;
     std::string address;
     std::tie(c, address) = transport::detail::dial_registered(
         *p, [&](const std::string& name, const std::string& at) { return dial(id, name, at); });
     if (!c) continue;  // moved while it was dialled: the new address next
-    std::lock_guard<std::mutex> lk(p->mu);
-    // Moved after the dial's last look (before it handed over its ring): what answered at the old
-    // address is the incarnation being replaced, so the message goes to the new one instead.
-    // Closed before anything watches it, the connection is nobody's loss.
-    if (p->address == address) break;
-    c->close();
-  }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_.load()) {
-      c->close();
-      throw DistNetworkError("distrpc shm: cannot send to worker " + std::to_string(id) +
-                             ": the transport of " + self_text() + " is shut down");
+    // Until it is installed below, it belongs to the generation it was dialled in: should the
+    // worker move meanwhile, its end is no loss.
+    c->generation.store(generation);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stopping_.load()) {
+        c->close();
+        throw DistNetworkError("distrpc shm: cannot send to worker " + std::to_string(id) +
+                               ": the transport of " + self_text() + " is shut down");
+      }
+      outs_.insert(c);
+      pending_out_.push_back(c);
+      changes_.store(true, std::memory_order_release);
     }
-    outs_.insert(c);
-    pending_out_.push_back(c);
-    changes_.store(true, std::memory_order_release);
+    bool moved = false;
+    {
+      std::lock_guard<std::mutex> lk(p->mu);
+      // Moved after the dial's last look (before it handed over its ring): what answered at the
+      // old address is the incarnation being replaced, so the message goes to the new one.
+      moved = p->address != address;
+      if (!moved) {
+        c->generation.store(p->liveness.generation());
+        p->out = c;
+      }
+    }
+    signal_eventfd(wake_efd_.get());
+    if (!moved) return c;
+    c->record_failure("worker " + std::to_string(id) +
+                      " was registered at a new address while it was dialled");
+    c->shutdown_sock();
   }
-  {
-    std::lock_guard<std::mutex> lk(p->mu);
-    c->generation = p->liveness.generation();
-    p->out = c;
-  }
-  signal_eventfd(wake_efd_.get());
-  return c;
 }
 
 inline std::shared_ptr<OutConn> Impl::dial(int id, const std::string& name,

@@ -30,7 +30,8 @@ struct OutConn {
       : ring_map(std::move(m)), writer(ring_map->base(), capacity), segments(std::move(label)) {}
 
   int peer = -1;
-  std::uint64_t generation = 0;  // of the Peer when this connection was made
+  // Of the Peer when this connection was made; atomic: set while the I/O thread may look at it.
+  std::atomic<std::uint64_t> generation{0};
   std::string peer_name;
   std::string remote;
   Fd sock;
