@@ -116,6 +116,27 @@ bool raw_read_hello(int fd, distrpc::wire::Hello& out) {
   return true;
 }
 
+// A raw acceptor's side of a dial, by hand: accepts on `lfd` (reads then time out after 5 s) and
+// reads the dialler's Hello; -1 when no dial came. The caller answers (reply_as_w7) or not.
+int raw_accept_hello(int lfd) {
+  const int fd = ::accept(lfd, nullptr, nullptr);
+  if (fd < 0) return -1;
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  distrpc::wire::Hello theirs;
+  (void)raw_read_hello(fd, theirs);
+  return fd;
+}
+
+// The acceptor's Hello of worker 7 ('w7', no secret), sent on `fd`.
+void reply_as_w7(int fd) {
+  distrpc::wire::Hello h;
+  h.worker_id = 7;
+  h.worker_name = "w7";
+  const std::string reply = frame_bytes(distrpc::wire::encode_hello(h));
+  (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+}
+
 // The first two frames of an authenticated handshake, by hand, as worker `id` with `secret`:
 // sends the Hello with `nonce`, reads the acceptor's, and returns the answer the dialler would send
 // (computed with `secret`; not sent). The acceptor's Hello goes to `reply`.
@@ -678,23 +699,11 @@ TEST_CASE("tcp: a dial under way when add_peer() moves the worker reaches the ne
   std::future<void> moved_done = moved.get_future();
   std::string after_hello;
   std::thread old_incarnation([&] {
-    const int fd = ::accept(lfd, nullptr, nullptr);
+    const int fd = raw_accept_hello(lfd);
     if (fd < 0) return;
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    std::string header(distrpc::wire::kFrameFixedBytes, '\0');
-    if (::recv(fd, header.data(), header.size(), MSG_WAITALL) ==
-        static_cast<ssize_t>(header.size())) {
-      std::string payload(distrpc::wire::decode_frame_header(header).payload_bytes, '\0');
-      (void)::recv(fd, payload.data(), payload.size(), MSG_WAITALL);
-    }
     dialled.set_value();
     moved_done.wait();
-    distrpc::wire::Hello h;
-    h.worker_id = 7;
-    h.worker_name = "w7";
-    const std::string reply = frame_bytes(distrpc::wire::encode_hello(h));
-    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    reply_as_w7(fd);
     char buf[4096];
     for (;;) {
       const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
@@ -724,26 +733,10 @@ TEST_CASE("tcp: a peer reported lost also fails a send blocked on our connection
   const std::string fake_addr = listener.second;
   std::atomic<int> accepted{-1};
   std::thread fake([&] {
-    const int fd = ::accept(lfd, nullptr, nullptr);
+    // The dialler's Hello, then ours; nothing is read after.
+    const int fd = raw_accept_hello(lfd);
     if (fd < 0) return;
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    // The dialler's Hello (a frame header and its payload), then ours; nothing is read after.
-    std::string got(distrpc::wire::kFrameFixedBytes, '\0');
-    std::size_t have = 0;
-    while (have < got.size()) {
-      const ssize_t n = ::recv(fd, got.data() + have, got.size() - have, 0);
-      if (n <= 0) break;
-      have += static_cast<std::size_t>(n);
-      if (have == distrpc::wire::kFrameFixedBytes && got.size() == have) {
-        got.resize(have + distrpc::wire::decode_frame_header(got).payload_bytes);
-      }
-    }
-    distrpc::wire::Hello h;
-    h.worker_id = 7;
-    h.worker_name = "w7";
-    const std::string reply = frame_bytes(distrpc::wire::encode_hello(h));
-    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    reply_as_w7(fd);
     accepted = fd;
   });
   TcpNode a(0);
