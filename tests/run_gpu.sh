@@ -102,12 +102,12 @@ logdir=$(mktemp -d)
 unset PYTORCH_CUDA_ALLOC_CONF
 export DISTRPC_PARALLEL_SUITES=${DISTRPC_PARALLEL_SUITES:-$([ "$(nproc)" -ge 8 ] && echo 1 || echo 0)}
 if [ "${DISTRPC_GPU_QUICK:-0}" = "1" ]; then
-  # doctest's -tc is case-insensitive: every case naming a device, CUDA or a GPU, and those of
+  # doctest's -tc is case-insensitive: every case naming a device, CUDA, NCCL or a GPU, and those of
   # what differs between libtorch versions (tensor hooks, the c10d store adapter).
   for t in "$build"/tests/test_*; do
     [ -x "$t" ] && [ -f "$t" ] || continue
     DISTRPC_TEST_TRANSPORT=tcp launch_suite "$(basename "$t")[devices]" "$t" \
-      -tc='*device*,*cuda*,*gpu*,*hook*,*C10dStoreAdapter*'
+      -tc='*device*,*cuda*,*gpu*,*nccl*,*hook*,*C10dStoreAdapter*'
   done
   finish_suites
 else

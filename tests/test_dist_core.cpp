@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -335,6 +336,94 @@ TEST_CASE("dist Work: failure, timeout and recv from any source") {
   CHECK(recv.source_rank() == 3);
   CHECK_FALSE(recv.finish_recv({at::ones({1})}, 5));  // the first sender stands
   CHECK(recv.source_rank() == 3);
+}
+
+// A backend's wait driver that sees the end of its work from the waiting thread (as the nccl
+// backend's works do with a GPU event) once `ready` is set, and completes the work there.
+struct FinishingDriver final : distrpc::detail::WaitDriver {
+  explicit FinishingDriver(distrpc::dist::Work& w) : work(w) {}
+  distrpc::dist::Work& work;
+  std::atomic<bool> ready{false};
+  std::atomic<int> calls{0};
+  std::atomic<bool> gave_up{false};  // returned at its deadline
+  void drive_wait(const std::function<bool()>& done,
+                  std::chrono::steady_clock::time_point until) override {
+    ++calls;
+    while (!ready.load() && !done()) {
+      if (std::chrono::steady_clock::now() >= until) {
+        gave_up = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (ready.load()) work.finish({at::full({1}, 5.0f)});
+  }
+};
+
+TEST_CASE("dist Work: a backend's wait driver completes the work on the waiting thread") {
+  SUBCASE("wait() asks it, callbacks run there, and a complete work does not ask again") {
+    distrpc::dist::Work w("allreduce", 1);
+    auto driver = std::make_shared<FinishingDriver>(w);
+    w.set_wait_driver(driver);
+    std::atomic<bool> callback_on_waiter{false};
+    const auto waiter = std::this_thread::get_id();
+    w.get_future().add_done_callback(
+        [&](const auto&) { callback_on_waiter = std::this_thread::get_id() == waiter; });
+    driver->ready = true;
+    // Nobody else completes it: without the driver this times out.
+    REQUIRE(w.wait(std::chrono::milliseconds(5000)));
+    CHECK(driver->calls.load() == 1);
+    CHECK(callback_on_waiter.load());
+    CHECK(at::equal(w.result()[0], at::full({1}, 5.0f)));
+    CHECK(w.wait());
+    CHECK(driver->calls.load() == 1);
+  }
+  SUBCASE("result() and waits on get_future() ask it too") {
+    for (const bool through_future : {false, true}) {
+      CAPTURE(through_future);
+      distrpc::dist::Work w("broadcast");
+      auto driver = std::make_shared<FinishingDriver>(w);
+      w.set_wait_driver(driver);
+      driver->ready = true;
+      // Without the driver, the wait would end with this late completion's other value.
+      std::thread late([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        w.finish({at::full({1}, 9.0f)});
+      });
+      const at::Tensor got = through_future ? w.get_future().value()[0] : w.result()[0];
+      CHECK(at::equal(got, at::full({1}, 5.0f)));
+      CHECK(driver->calls.load() == 1);
+      late.join();
+    }
+  }
+  SUBCASE("a timed wait gives the driver its deadline, then times out") {
+    distrpc::dist::Work w("allreduce", 2);
+    auto driver = std::make_shared<FinishingDriver>(w);
+    w.set_wait_driver(driver);
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(error_text<distrpc::DistBackendError>([&] { w.wait(std::chrono::milliseconds(100)); }) ==
+          "Operation timed out!");
+    CHECK(driver->gave_up.load());
+    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(100));
+    CHECK_FALSE(w.is_completed());
+    // The longest timeout still means "wait", not an overflowed deadline already past.
+    std::thread backend([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      w.finish({at::full({1}, 7.0f)});
+    });
+    CHECK(w.wait(std::chrono::milliseconds::max()));
+    backend.join();
+    CHECK(at::equal(w.result()[0], at::full({1}, 7.0f)));
+  }
+  SUBCASE("the driver is held weakly: once gone, waits go on without it") {
+    distrpc::dist::Work w("allreduce", 3);
+    auto driver = std::make_shared<FinishingDriver>(w);
+    w.set_wait_driver(driver);
+    driver.reset();
+    CHECK_THROWS_AS(w.wait(std::chrono::milliseconds(20)), distrpc::DistBackendError);
+    CHECK(w.finish({at::full({1}, 1.0f)}));
+    CHECK(w.wait());
+  }
 }
 
 // ---- BackendConfig and the registry ----

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -502,10 +503,19 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
     // four times that): the caller's snapshots take slabs whose loans are back (at most two
     // new ones: a loan's Release and the reply race), and the callee's results come from slabs
     // this worker keeps mapped.
+    // The replies land in memory of libtorch's caching allocator, allocated on one copy stream
+    // of the device: each reply, dropped before the next call, leaves its block for the next
+    // one (a stream per import would make each a new block: the allocator reuses a block only
+    // on the stream it was made on).
     const at::Tensor mid = at::arange(3 << 17, at::TensorOptions().dtype(at::kFloat).device(gpu));
+    std::set<const void*> reply_blocks;
     for (int k = 0; k < 10; ++k) {
-      CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", mid), mid));
+      const at::Tensor r = distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", mid);
+      CHECK(at::equal(r, mid));
+      reply_blocks.insert(r.storage().data());
     }
+    MESSAGE("10 replies of 1.5 MiB landed in " << reply_blocks.size() << " distinct blocks");
+    CHECK(reply_blocks.size() <= 3);
     const auto after = agent->context().channel().stats();
     MESSAGE("after 10 echoes of 1.5 MiB: slabs " << after.slabs << ", mappings opened "
                                                  << after.mappings_opened << ", reused "

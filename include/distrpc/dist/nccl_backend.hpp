@@ -16,10 +16,11 @@
 //  - the tensors' memory is marked in use on that stream (the caching allocator does not hand it
 //    out again before the operation is done);
 //  - the Work completes once the GPU has finished the operation (a host function queued behind
-//    it wakes the backend's thread), so its outputs are complete for every stream and thread that
-//    sees it complete. wait() therefore blocks the calling thread until then: PyTorch's
-//    Work.wait() only makes the current stream wait, which ends at the same point, and here a
-//    failure or timeout reaches the waiter as an exception.
+//    it wakes the backend's thread; a thread waiting on the Work watches an event recorded behind
+//    it and completes the work itself, the first 2 ms), so its outputs are complete for every
+//    stream and thread that sees it complete. wait() therefore blocks the calling thread until
+//    then: PyTorch's Work.wait() only makes the current stream wait, which ends at the same point,
+//    and here a failure or timeout reaches the waiter as an exception.
 //  - Point-to-point calls share the collectives' communicator and stream: a member's sends,
 //    receives and collectives run in the order it issued them, so members must issue them in the
 //    same relative order (PyTorch keeps a communicator per pair of peers for them).
@@ -43,9 +44,12 @@
 // supported (NCCL names its peer). Tags are ignored (NCCL has none), as in PyTorch.
 //
 // Threads: callers queue operations under one lock (NCCL's calls on a communicator must not run
-// concurrently); no lock is held while a Work completes. One thread per backend completes Works
-// (so a future's callbacks run there) and keeps the watchdog; shutdown() joins it. A callback
-// must not wait for a later Work of the same backend: that thread is the one that completes it.
+// concurrently); no lock is held while a Work completes. One thread per backend completes the
+// Works no waiter completed, fails them on errors and keeps the watchdog; shutdown() joins it. A
+// future's callbacks run on the thread that completes its Work: that thread, one waiting on the
+// Work (wait(), result(), a wait on its future), or the one calling shutdown() (PyTorch runs them
+// on the thread that marks the future complete). A callback must not wait for a later Work of
+// the same backend: the backend's thread may be the one that completes it.
 #pragma once
 
 #ifdef DISTRPC_HAVE_NCCL
@@ -471,6 +475,8 @@ class NcclBackend : public Backend {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // How often the backend's thread looks at deadlines and NCCL's errors while work is pending.
+  static constexpr std::chrono::milliseconds kWatchEvery{100};
 
   // An operation queued on the GPU, until its Work completes.
   struct Pending {
@@ -493,6 +499,103 @@ class NcclBackend : public Backend {
   struct HostFnArg {
     std::weak_ptr<State> state;
     std::uint64_t id;
+  };
+
+  // Makes `device` current on this thread for its lifetime, so that CUDA calls on an event of
+  // that device never start a context on another one.
+  class OnDevice {
+   public:
+    explicit OnDevice(int device) : changed_(cudaGetDevice(&saved_) == cudaSuccess) {
+      if (changed_ && saved_ != device) {
+        changed_ = cudaSetDevice(device) == cudaSuccess;
+      } else {
+        changed_ = false;
+      }
+    }
+    ~OnDevice() {
+      if (changed_) (void)cudaSetDevice(saved_);
+    }
+    OnDevice(const OnDevice&) = delete;
+    OnDevice& operator=(const OnDevice&) = delete;
+
+   private:
+    int saved_ = 0;
+    bool changed_;
+  };
+
+  // A Work whose waiters watch the GPU themselves: an event recorded behind the operation, which
+  // a waiting thread polls (it is the work's WaitDriver). Once the event is reached the waiter
+  // completes the work, so a wait returns as soon as the GPU is done rather than after the host
+  // function's thread and the backend's thread have passed the news on (about ten microseconds
+  // more, a call's whole cost in a group of one). The backend's thread still completes works
+  // nobody waits for, and those whose waiter stopped polling, and delivers every failure.
+  class NcclWork final : public Work, public distrpc::detail::WaitDriver {
+   public:
+    NcclWork(std::string op, std::int64_t seq, std::weak_ptr<State> state, std::uint64_t id,
+             int device)
+        : Work(std::move(op), seq), state_(std::move(state)), id_(id), device_(device) {}
+    ~NcclWork() override {
+      if (end_ == nullptr) return;
+      const OnDevice on(device_);
+      (void)cudaEventDestroy(end_);
+    }
+
+    // Records the end event on `s` (behind the operation; the work's device is current) and
+    // lets waiters poll it. Once, before the work is handed out, by its owner. Without it (CUDA
+    // refused) waiters are woken by the backend's thread alone.
+    static void record_end(const std::shared_ptr<NcclWork>& w, cudaStream_t s) {
+      if (cudaEventCreateWithFlags(&w->end_, cudaEventDisableTiming) != cudaSuccess ||
+          cudaEventRecord(w->end_, s) != cudaSuccess) {
+        if (w->end_ != nullptr) (void)cudaEventDestroy(w->end_);
+        w->end_ = nullptr;
+        (void)cudaGetLastError();
+        return;
+      }
+      w->set_wait_driver(w);
+    }
+
+    // Polls the event, yielding, for at most kWaiterPoll: a longer operation is left to the
+    // backend's thread, so that a hung one does not keep a core busy.
+    void drive_wait(const std::function<bool()>& done, Clock::time_point until) override {
+      const auto stop = std::min(until, Clock::now() + kWaiterPoll);
+      const OnDevice on(device_);
+      while (!done()) {
+        const cudaError_t e = cudaEventQuery(end_);
+        if (e == cudaSuccess) return claim();
+        if (e != cudaErrorNotReady) {
+          (void)cudaGetLastError();  // the watchdog reports what went wrong
+          return;
+        }
+        if (Clock::now() >= stop) return;
+        std::this_thread::yield();
+      }
+    }
+
+   private:
+    static constexpr std::chrono::milliseconds kWaiterPoll{2};
+
+    // Completes the work if it is still pending: not when a timeout, an abort or shutdown
+    // failed it (each takes the pending entries it fails, and after an abort the backend's
+    // thread takes those that came in meanwhile: an aborted operation also reaches its event),
+    // nor when the backend's thread got there first.
+    void claim() {
+      const auto state = state_.lock();
+      if (!state) return;
+      Pending p;
+      {
+        std::lock_guard lk(state->mu);
+        const auto it = state->pending.find(id_);
+        if (it == state->pending.end()) return;
+        p = std::move(it->second);
+        state->pending.erase(it);
+      }
+      p.work->finish(std::move(p.outputs));
+    }
+
+    std::weak_ptr<State> state_;
+    std::uint64_t id_;
+    int device_;
+    cudaEvent_t end_ = nullptr;
   };
 
   static std::size_t count(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
@@ -723,15 +826,21 @@ class NcclBackend : public Backend {
     if (aborted_) throw DistBackendError(abort_text_);
     const std::int64_t seq = collective ? static_cast<std::int64_t>(next_sequence_number()) : -1;
     const std::uint64_t id = ++issued_;
-    auto work = std::make_shared<Work>(op, seq);
+    auto work = std::make_shared<NcclWork>(op, seq, state_, id, device_.index());
     // Pending (with its deadline) before NCCL is called: a call stuck inside NCCL is then
     // watched too, and a completion cannot arrive before its entry.
+    const auto timeout = timeout_for(requested);
+    bool wake = false;
     {
       std::lock_guard slk(state_->mu);
-      state_->pending.emplace(
-          id, Pending{work, std::move(outputs), op, seq, timeout_for(requested), Clock::now()});
+      // The backend's thread sleeps without a deadline only while nothing is pending, and
+      // otherwise looks again within kWatchEvery: only a first entry, or one due sooner than
+      // that, needs it awake now (a notify per call would cost each call a wake-up).
+      wake = state_->pending.empty() || timeout < kWatchEvery;
+      state_->pending.emplace(id,
+                              Pending{work, std::move(outputs), op, seq, timeout, Clock::now()});
     }
-    state_->cv.notify_all();
+    if (wake) state_->cv.notify_all();
     auto forget = [&] {
       std::lock_guard slk(state_->mu);
       state_->pending.erase(id);
@@ -763,6 +872,7 @@ class NcclBackend : public Backend {
       forget();
       throw DistBackendError(nccl_error(op, r));
     }
+    NcclWork::record_end(work, s);
     auto* arg = new HostFnArg{state_, id};
     const cudaError_t e = cudaLaunchHostFunc(s, &NcclBackend::on_gpu_done, arg);
     if (e != cudaSuccess) {
@@ -815,10 +925,10 @@ class NcclBackend : public Backend {
         state->cv.wait(lk);
         continue;
       }
-      // The earliest deadline, and NCCL's asynchronous errors every 100 ms meanwhile.
+      // The earliest deadline, and NCCL's asynchronous errors every kWatchEvery meanwhile.
       const auto now = Clock::now();
       const Pending* late = nullptr;
-      auto next = now + std::chrono::milliseconds(100);
+      auto next = now + kWatchEvery;
       for (const auto& [id, p] : state->pending) {
         // A timeout past the clock's range (milliseconds::max() for "never") has no deadline.
         const auto deadline = p.timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -840,7 +950,7 @@ class NcclBackend : public Backend {
                       std::chrono::duration_cast<std::chrono::milliseconds>(now - late->started)
                           .count()) +
                   " milliseconds before timing out.";
-      } else if (!aborted_ && now - last_poll >= std::chrono::milliseconds(100)) {
+      } else if (!aborted_ && now - last_poll >= kWatchEvery) {
         last_poll = now;
         ncclResult_t async = ncclSuccess;
         if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
@@ -871,6 +981,15 @@ class NcclBackend : public Backend {
           aborted_ = true;  // after the text: a caller that sees the flag reads a finished text
           ncclCommAbort(comm_);
         }
+      }
+      {
+        // Operations queued between taking the pending entries and the abort (a caller that
+        // still saw the communicator whole): the abort ends them early, so their events are
+        // reached and their host functions run, but they did not finish. After the abort no
+        // entry comes in (run() checks the flag first).
+        std::lock_guard again(state->mu);
+        for (auto& [id, p] : state->pending) failed.push_back(std::move(p));
+        state->pending.clear();
       }
       const auto e = std::make_exception_ptr(DistBackendError(failure));
       for (auto& p : failed) p.work->finish_error(e);

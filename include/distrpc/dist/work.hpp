@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -95,6 +96,13 @@ class Work {
   bool finish_error(std::exception_ptr e) {
     if (!e) throw std::invalid_argument("Work::finish_error: the exception is null");
     return future_.try_set_exception(std::move(e));
+  }
+  // A backend that can bring the work closer to completion from a waiting thread (a GPU event
+  // it can poll there) lets every wait on this work, wait(), result() and waits on
+  // get_future(), ask it first (distrpc::detail::WaitDriver). Completed there, the work's
+  // callbacks run on that thread. Set before the work is handed out; held weakly.
+  void set_wait_driver(std::weak_ptr<distrpc::detail::WaitDriver> driver) {
+    distrpc::detail::set_wait_driver(future_, std::move(driver));
   }
   // A receive from any source: the sender's rank, set before completing so waiters see it.
   bool finish_recv(std::vector<at::Tensor> outputs, int source_rank) {

@@ -266,6 +266,7 @@ class CudaIpcChannel {
     for (auto& [device, events] : free_events_) {
       for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
     }
+    for (auto& [device, c] : copy_streams_) (void)cudaEventDestroy(c.copied);
   }
   CudaIpcChannel(const CudaIpcChannel&) = delete;
   CudaIpcChannel& operator=(const CudaIpcChannel&) = delete;
@@ -390,12 +391,12 @@ class CudaIpcChannel {
     // moves it there in the decoder.
     const c10::Device where(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
     c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
-    const c10::Stream copy = cuda.getStreamFromGlobalPool(where);
-    const cudaStream_t s = detail::native(copy);
+    const CopyStream copy = copy_stream(where);
+    const cudaStream_t s = detail::native(copy.stream);
     at::Tensor out;
     {
       // Allocated while the copy stream is current: the caching allocator ties the block to it.
-      c10::StreamGuard current(copy);
+      c10::StreamGuard current(copy.stream);
       out = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(where));
     }
     detail::cuda_check(cudaStreamWaitEvent(s, ready, 0), "cudaStreamWaitEvent");
@@ -404,12 +405,13 @@ class CudaIpcChannel {
                         cudaMemcpyDeviceToDevice, s),
         "cudaMemcpyAsync");
     queued = true;
+    detail::cuda_check(cudaEventRecord(copy.copied, s), "cudaEventRecord");
     // Complete before the sender hears its loan is back (and may reuse the memory), and before
     // the receiver's code, on whichever stream, reads it. Polled, so that stop() can end a wait
     // for a sender whose stream never gets there: the copy then stays queued, so the mapping it
     // reads is left open for good (closing it would make the copy fault, and a fault poisons the
     // whole process's CUDA context).
-    wait(s);
+    wait(copy.copied);
     queued = false;
     // The block belongs to the copy stream, but the decoder and handlers read it on the device's
     // default stream: the allocator then reuses it only after that stream's work on it is done.
@@ -451,6 +453,12 @@ class CudaIpcChannel {
   }
 
  private:
+  // Where this receiver copies on one device, and the event it records behind each copy (one
+  // import at a time: imports run on the receiving thread only).
+  struct CopyStream {
+    c10::Stream stream;
+    cudaEvent_t copied;
+  };
   // A sender's allocation mapped here: for one copy, or kept (a slab).
   struct Mapping {
     char* base = nullptr;
@@ -546,11 +554,12 @@ class CudaIpcChannel {
     return p;
   }
 
-  void wait(cudaStream_t s) const {
+  // Until `copied` is reached (not the whole stream: work queued on it later is not waited for).
+  void wait(cudaEvent_t copied) const {
     for (int spins = 0;; ++spins) {
-      const cudaError_t e = cudaStreamQuery(s);
+      const cudaError_t e = cudaEventQuery(copied);
       if (e == cudaSuccess) return;
-      if (e != cudaErrorNotReady) detail::cuda_check(e, "cudaStreamQuery");
+      if (e != cudaErrorNotReady) detail::cuda_check(e, "cudaEventQuery");
       if (stopping_) throw DistNetworkError("cuda_ipc: stopped while waiting for a copy");
       if (spins < 1000) {
         std::this_thread::yield();
@@ -558,6 +567,26 @@ class CudaIpcChannel {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
+  }
+
+  // The stream this receiver copies on, one per device, taken from the pool once and kept: the
+  // caching allocator reuses a freed block only for allocations on the stream it was made on, so
+  // a stream per import (the pool hands them out in turn) made every received tensor a fresh
+  // cudaMalloc, and held as many cached blocks of each size as the pool has streams. From the
+  // high-priority pool: distrpc's other streams (the nccl backend's, futures' callbacks) come
+  // from the ordinary one, so a copy never queues behind a collective waiting for its peers.
+  // Called with `where` current (the event is made there).
+  CopyStream copy_stream(const c10::Device& where) {
+    std::lock_guard<std::mutex> lk(mu_);
+    const auto it = copy_streams_.find(where.index());
+    if (it != copy_streams_.end()) return it->second;
+    cudaEvent_t copied = nullptr;
+    detail::cuda_check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming),
+                       "cudaEventCreateWithFlags");
+    const CopyStream c{c10::impl::VirtualGuardImpl(c10::kCUDA).getStreamFromGlobalPool(where, true),
+                       copied};
+    copy_streams_.emplace(where.index(), c);
+    return c;
   }
 
   // A peer's entry (a reference into a map no one erases from while it is used, see peers_).
@@ -641,8 +670,9 @@ class CudaIpcChannel {
   std::atomic<std::uint64_t> opened_{0};
   std::atomic<std::uint64_t> reused_{0};
   std::atomic<bool> stopping_{false};
-  std::mutex mu_;  // the structure of the three containers below
+  std::mutex mu_;  // the structure of the containers below
   std::map<int, std::vector<cudaEvent_t>> free_events_;
+  std::map<int, CopyStream> copy_streams_;          // by device (copy_stream())
   std::map<int, std::set<std::string>> peer_gpus_;  // per peer: the GPUs both of us see
   // By peer. An entry's contents are used by the receiving thread only (import_buffer and
   // forget() both run there).
