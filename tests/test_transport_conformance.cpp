@@ -519,6 +519,17 @@ void destroyed_peer_scenario() {
   CHECK(Clock::now() - t1 < 500ms);
 }
 
+// `b`, a registered incarnation of worker 1 after one loss of worker 1 at `a`, dies: `a` reports
+// that second loss, once.
+template <class N>
+void check_second_loss(N& a, std::unique_ptr<N>& b) {
+  b.reset();
+  REQUIRE(a.inbox.wait_lost(2, 2s));
+  CHECK(a.inbox.lost[1].first == 1);
+  std::this_thread::sleep_for(200ms);
+  CHECK(a.inbox.lost_count() == 2);
+}
+
 // add_peer() after a loss starts a fresh incarnation (transport/detail/peer_liveness.hpp): the
 // peer, restarted at a new address, is reached afresh both ways, and whatever the old pair still
 // reports (a late hang-up) does not mark the new registration lost.
@@ -537,11 +548,7 @@ void registered_again_scenario() {
   CHECK(a.inbox.lost_count() == 1);
   CHECK(b2->inbox.lost_count() == 0);
   // And the new incarnation is lost in its turn, reported once more.
-  b2.reset();
-  REQUIRE(a.inbox.wait_lost(2, 2s));
-  CHECK(a.inbox.lost[1].first == 1);
-  std::this_thread::sleep_for(200ms);
-  CHECK(a.inbox.lost_count() == 2);
+  check_second_loss(a, b2);
 }
 
 // A peer restarted at a new address and registered before its old incarnation's loss was
@@ -565,6 +572,57 @@ void replaced_before_loss_scenario() {
   b2.reset();
   REQUIRE(a.inbox.wait_lost(1, 2s));
   CHECK(a.inbox.lost[0].first == 1);
+}
+
+// A replacement that dials before its registration reaches this side (it learnt of us first),
+// after the old incarnation's loss was noticed (`old_lost_first`) or before: its connection is
+// adopted while the old address is still registered, and its Hello says where it listens. Once
+// add_peer() registers that address the connection is the new incarnation's, so its loss is
+// reported, though this side never dialled the replacement (no connection of ours would break).
+template <class P>
+void replacement_dials_first(bool old_lost_first) {
+  CAPTURE(old_lost_first);
+  NodeOf<P> a(0);
+  auto b = std::make_unique<NodeOf<P>>(1);
+  introduce(a, 0, *b, 1);
+  check_still_works(a, *b, 1);  // a's messages: 1
+  if (old_lost_first) {
+    b.reset();
+    REQUIRE(a.inbox.wait_lost(1, 2s));
+  }
+  // A replacement that dies before it is registered here: nobody's loss (the old incarnation,
+  // alive or not, is not lost by it), and its messages were delivered.
+  {
+    NodeOf<P> early(1);
+    early.ctx->add_peer(0, "w0", a.ctx->address());
+    early.ctx->send(0, make_message(MessageType::Request, 90, "short-lived"));
+    REQUIRE(a.inbox.wait_messages(2));
+  }
+  std::this_thread::sleep_for(200ms);
+  CHECK(a.inbox.lost_count() == (old_lost_first ? 1 : 0));
+  auto b2 = std::make_unique<NodeOf<P>>(1);  // worker 1 again, at a new address
+  b2->ctx->add_peer(0, "w0", a.ctx->address());
+  b2->ctx->send(0, make_message(MessageType::Request, 2, "from the replacement"));
+  REQUIRE(a.inbox.wait_messages(3));
+  if (!old_lost_first) {
+    b.reset();  // the old incarnation's connections break now: its loss is reported
+    REQUIRE(a.inbox.wait_lost(1, 2s));
+  }
+  a.ctx->add_peer(1, "w1", b2->ctx->address());
+  b2->ctx->send(0, make_message(MessageType::Request, 3, "registered now"));
+  REQUIRE(a.inbox.wait_messages(4));
+  {
+    std::lock_guard<std::mutex> lk(a.inbox.mu);
+    CHECK(a.inbox.messages.back().second.payload == "registered now");
+  }
+  std::this_thread::sleep_for(100ms);
+  CHECK(a.inbox.lost_count() == 1);
+  check_second_loss(a, b2);
+}
+template <class P>
+void replacement_dials_first_scenario() {
+  replacement_dials_first<P>(true);
+  replacement_dials_first<P>(false);
 }
 
 // The rank body for "a SIGKILLed peer": rank 1 kills itself once messages flow both ways.
@@ -985,6 +1043,9 @@ DISTRPC_CONFORMANCE("a peer lost and registered again is reached afresh, and los
 DISTRPC_CONFORMANCE(
     "a peer registered at a new address before its loss was noticed: the old hang-up is ignored",
     replaced_before_loss_scenario)
+DISTRPC_CONFORMANCE(
+    "a replacement that dialled before its registration arrived is reported lost in its turn",
+    replacement_dials_first_scenario)
 DISTRPC_CONFORMANCE_TARGET("Tcp", Tcp, "a SIGKILLed peer process is reported lost within 2 s",
                            sigkilled_target)
 DISTRPC_CONFORMANCE_TARGET("Shm", Shm, "a SIGKILLed peer process is reported lost within 2 s",

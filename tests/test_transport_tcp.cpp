@@ -212,7 +212,7 @@ TEST_CASE("tcp: hostile or broken connections are closed while a good peer keeps
     ::close(fd);
     CHECK(contains(log.wait_for("protocol version"),
                    "bad handshake: peer speaks distrpc protocol version 3 but this build speaks "
-                   "version 6"));
+                   "version 7"));
   }
   SUBCASE("a wrong secret") {
     const int fd = raw_connect(addr);

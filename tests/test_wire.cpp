@@ -695,22 +695,26 @@ TEST_CASE("wire: frame limits and malformed headers are protocol errors naming t
               "buffer 0 is not a 1-D contiguous kByte CPU tensor");
 }
 
-TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, never a secret") {
+TEST_CASE(
+    "wire: handshake carries name, id, listen address, version, and a nonce and proof, never a "
+    "secret") {
   namespace auth = wire::auth;
   wire::Hello hello;
   hello.worker_name = "worker3";
   hello.worker_id = 3;
+  hello.listen_address = "10.0.0.3:29500";  // 14 bytes
   hello.nonce = auth::make_nonce();
   hello.proof = auth::compute_proof("s3cret", auth::Prover::kAcceptor, auth::make_nonce(),
                                     *hello.nonce, {"w0", 0}, {"worker3", 3});
   const wire::Message m = wire::encode_hello(hello);
   CHECK(m.type == wire::MessageType::Handshake);
-  CHECK(m.payload.size() == 4 + 4 + 7 + 8 + 1 + 32 + 32);
+  CHECK(m.payload.size() == 4 + 4 + 7 + 8 + 4 + 14 + 1 + 32 + 32);
   CHECK(m.payload.find("s3cret") == std::string::npos);
   const wire::Hello got = wire::decode_hello(transmit(m));
   CHECK(got.protocol_version == wire::kProtocolVersion);
   CHECK(got.worker_name == "worker3");
   CHECK(got.worker_id == 3);
+  CHECK(got.listen_address == "10.0.0.3:29500");
   REQUIRE(got.nonce.has_value());
   CHECK(*got.nonce == *hello.nonce);
   REQUIRE(got.proof.has_value());
@@ -727,18 +731,27 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
   const wire::Hello got_anonymous = wire::decode_hello(wire::encode_hello(anonymous));
   CHECK_FALSE(got_anonymous.nonce.has_value());
   CHECK_FALSE(got_anonymous.proof.has_value());
+  CHECK(got_anonymous.listen_address.empty());  // not said: encoded as length 0
+  CHECK(wire::encode_hello(anonymous).payload.size() == 4 + 4 + 2 + 8 + 4 + 1);
+  wire::Hello far = anonymous;
+  far.listen_address.assign(wire::kMaxHelloAddressBytes, 'a');
+  CHECK(wire::decode_hello(wire::encode_hello(far)).listen_address == far.listen_address);
+  far.listen_address.push_back('a');
+  CHECK_THROWS_WITH_AS(wire::encode_hello(far),
+                       "handshake listen address of 1025 bytes exceeds the limit of 1024",
+                       wire::EncodeError);
   wire::Hello proof_only = anonymous;
   proof_only.proof = auth::Proof{};
   CHECK_THROWS_WITH_AS(wire::encode_hello(proof_only),
                        "handshake with a proof but no nonce (the acceptor sends both)",
                        wire::EncodeError);
 
-  // Version 6: the version stays the first field, so an older or newer peer is told in words.
-  CHECK(wire::kProtocolVersion == 6);
+  // Version 7: the version stays the first field, so an older or newer peer is told in words.
+  CHECK(wire::kProtocolVersion == 7);
   wire::Hello old = hello;
-  old.protocol_version = 5;
+  old.protocol_version = 6;
   CHECK_THROWS_WITH_AS(wire::decode_hello(wire::encode_hello(old)),
-                       "peer speaks distrpc protocol version 5 but this build speaks version 6",
+                       "peer speaks distrpc protocol version 6 but this build speaks version 7",
                        wire::ProtocolError);
   wire::Message not_hello = m;
   not_hello.type = wire::MessageType::Request;
@@ -750,7 +763,7 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
     CHECK_THROWS_AS(wire::decode_hello(cut), wire::ProtocolError);
   }
   wire::Message bad_kind = m;
-  bad_kind.payload[4 + 4 + 7 + 8] = 3;
+  bad_kind.payload[4 + 4 + 7 + 8 + 4 + 14] = 3;
   CHECK_THROWS_WITH_AS(wire::decode_hello(bad_kind),
                        "handshake authentication kind 3 is none of 0 (none), 1 (challenge), 2 "
                        "(answer)",
@@ -759,13 +772,21 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
   patch(huge.payload, 4, 0xFFFFFFFF, 4);
   CHECK_ERROR(wire::ProtocolError, wire::decode_hello(huge),
               "handshake worker name length 4294967295 exceeds limit 1024");
+  wire::Message far_off = m;
+  patch(far_off.payload, 4 + 4 + 7 + 8, 1025, 4);
+  CHECK_ERROR(wire::ProtocolError, wire::decode_hello(far_off),
+              "handshake listen address length 1025 exceeds limit 1024");
+  wire::Message short_address = m;
+  patch(short_address.payload, 4 + 4 + 7 + 8, 200, 4);
+  CHECK_ERROR(wire::ProtocolError, wire::decode_hello(short_address),
+              "handshake truncated at listen_address: 200 bytes needed");
 
   // The dialler's answer frame.
   const wire::Message answer = wire::encode_auth_answer(*hello.proof);
   CHECK(wire::decode_auth_answer(transmit(answer), "worker 'w' (id 1)") == *hello.proof);
   CHECK_THROWS_WITH_AS(wire::decode_auth_answer(m, "worker 'w' (id 1)"),
                        "authentication failed: worker 'w' (id 1) did not answer our challenge "
-                       "with a proof (got a Handshake frame of 88 payload bytes)",
+                       "with a proof (got a Handshake frame of 106 payload bytes)",
                        wire::ProtocolError);
 
   // The dialler's Confirm frame (no secret): the version alone, and nothing else passes for it.
@@ -774,7 +795,7 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
   CHECK_NOTHROW(wire::check_confirm(transmit(confirm), "worker 'w' (id 1)"));
   const std::string not_confirmed = "worker 'w' (id 1) did not confirm the handshake (got a ";
   CHECK_THROWS_WITH_AS(wire::check_confirm(m, "worker 'w' (id 1)"),
-                       (not_confirmed + "Handshake frame of 88 payload bytes)").c_str(),
+                       (not_confirmed + "Handshake frame of 106 payload bytes)").c_str(),
                        wire::ProtocolError);
   CHECK_THROWS_WITH_AS(wire::check_confirm(answer, "worker 'w' (id 1)"),
                        (not_confirmed + "Handshake frame of 36 payload bytes)").c_str(),
@@ -783,7 +804,7 @@ TEST_CASE("wire: handshake carries name, id, version, and a nonce and proof, nev
   patch(older.payload, 0, 5, 4);
   CHECK_THROWS_WITH_AS(wire::check_confirm(older, "worker 'w' (id 1)"),
                        "worker 'w' (id 1) confirmed the handshake with protocol version 5 but "
-                       "this build speaks version 6",
+                       "this build speaks version 7",
                        wire::ProtocolError);
   wire::Message request = confirm;
   request.type = wire::MessageType::Request;

@@ -85,13 +85,15 @@ void frame_seeds() {
   write_seed("fuzz_frame", "two_frames", std::string(1, '\x3f') + frame(control) + frame(one));
   write_seed(
       "fuzz_frame", "handshake",
-      std::string(1, '\x00') + frame(wire::encode_hello({wire::kProtocolVersion, "w", 0, {}, {}})));
+      std::string(1, '\x00') +
+          frame(wire::encode_hello({wire::kProtocolVersion, "w", 0, "127.0.0.1:1", {}, {}})));
 }
 
 void handshake_seeds() {
   wire::Hello plain;
   plain.worker_name = "trainer1";
   plain.worker_id = 1;
+  plain.listen_address = "10.0.0.1:29500";
   write_seed("fuzz_handshake", "hello", transport::shm::detail::hello_packet(plain));
   // Fixed nonces (not make_nonce()), so that regenerated seeds are the same files.
   wire::Hello dialler = plain;
@@ -101,6 +103,7 @@ void handshake_seeds() {
   wire::Hello acceptor;  // what make_acceptor_hello answers, with a fixed nonce
   acceptor.worker_name = "ps";
   acceptor.worker_id = 0;
+  acceptor.listen_address = "10.0.0.2:29500";
   acceptor.nonce.emplace();
   acceptor.nonce->fill(0x22);
   acceptor.proof = wire::auth::compute_proof(

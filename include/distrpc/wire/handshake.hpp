@@ -33,10 +33,12 @@ namespace distrpc::wire {
 // 3: (current transports). 4: the Hello carries a nonce and a proof instead of the secret, and an
 // AuthAnswer frame follows when a secret is configured. 5: a layer's control message with id 0
 // gets no answer; distributed autograd's gradients message carries its backward before its tensors.
-// 6: without a secret, the Tcp dialler's Confirm frame follows the two Hellos.
-inline constexpr std::uint32_t kProtocolVersion = 6;
+// 6: without a secret, the Tcp dialler's Confirm frame follows the two Hellos. 7: the Hello carries
+// the address the sender listens at.
+inline constexpr std::uint32_t kProtocolVersion = 7;
 // Bounds the decoder enforces, so a handshake cannot make the receiver allocate much.
 inline constexpr std::size_t kMaxHelloNameBytes = 1024;
+inline constexpr std::size_t kMaxHelloAddressBytes = 1024;
 
 // What a Hello carries of authentication (the byte after the worker id).
 enum class HelloAuth : std::uint8_t {
@@ -49,6 +51,10 @@ struct Hello {
   std::uint32_t protocol_version = kProtocolVersion;
   std::string worker_name;
   std::int64_t worker_id = -1;
+  // Where the sender's peers reach it (its transport's address(), as registered for it). An
+  // acceptor that has the sender registered at another address knows the dialler is a later
+  // incarnation it has not been told of yet. Empty: not said.
+  std::string listen_address;
   std::optional<auth::Nonce> nonce;  // the sender's challenge: present when it has a secret
   std::optional<auth::Proof> proof;  // the acceptor's answer to the dialler's challenge
 };
@@ -58,12 +64,16 @@ inline std::string hello_who(const Hello& h) {
   return "worker '" + h.worker_name + "' (id " + std::to_string(h.worker_id) + ")";
 }
 
-// Payload: u32 protocol_version | u32 name length | name | i64 worker_id | u8 HelloAuth
-//          [| nonce (32 bytes) [| proof (32 bytes)]]
+// Payload: u32 protocol_version | u32 name length | name | i64 worker_id | u32 address length |
+//          address | u8 HelloAuth [| nonce (32 bytes) [| proof (32 bytes)]]
 inline Message encode_hello(const Hello& hello) {
   if (hello.worker_name.size() > kMaxHelloNameBytes) {
     throw EncodeError("handshake worker name of " + std::to_string(hello.worker_name.size()) +
                       " bytes exceeds the limit of " + std::to_string(kMaxHelloNameBytes));
+  }
+  if (hello.listen_address.size() > kMaxHelloAddressBytes) {
+    throw EncodeError("handshake listen address of " + std::to_string(hello.listen_address.size()) +
+                      " bytes exceeds the limit of " + std::to_string(kMaxHelloAddressBytes));
   }
   if (hello.proof && !hello.nonce) {
     throw EncodeError("handshake with a proof but no nonce (the acceptor sends both)");
@@ -75,7 +85,8 @@ inline Message encode_hello(const Hello& hello) {
   m.id = 0;
   const std::size_t auth_bytes =
       (hello.nonce ? auth::kNonceBytes : 0) + (hello.proof ? auth::kProofBytes : 0);
-  m.payload.resize(4 + 4 + hello.worker_name.size() + 8 + 1 + auth_bytes);
+  m.payload.resize(4 + 4 + hello.worker_name.size() + 8 + 4 + hello.listen_address.size() + 1 +
+                   auth_bytes);
   char* p = m.payload.data();
   detail::put_le<std::uint32_t>(p, hello.protocol_version);
   detail::put_le<std::uint32_t>(p + 4, static_cast<std::uint32_t>(hello.worker_name.size()));
@@ -84,6 +95,10 @@ inline Message encode_hello(const Hello& hello) {
   p += hello.worker_name.size();
   detail::put_le<std::int64_t>(p, hello.worker_id);
   p += 8;
+  detail::put_le<std::uint32_t>(p, static_cast<std::uint32_t>(hello.listen_address.size()));
+  p += 4;
+  hello.listen_address.copy(p, hello.listen_address.size());
+  p += hello.listen_address.size();
   detail::put_le<std::uint8_t>(p, static_cast<std::uint8_t>(kind));
   p += 1;
   if (hello.nonce) {
@@ -122,19 +137,26 @@ inline Hello decode_hello(const Message& m, std::uint32_t supported_version = kP
                         std::to_string(hello.protocol_version) + " but this build speaks version " +
                         std::to_string(supported_version));
   }
-  need(4, "worker_name length");
-  const auto name_len = detail::get_le<std::uint32_t>(in.data());
-  in.remove_prefix(4);
-  if (name_len > kMaxHelloNameBytes) {
-    throw ProtocolError("handshake worker name length " + std::to_string(name_len) +
-                        " exceeds limit " + std::to_string(kMaxHelloNameBytes));
-  }
-  need(name_len, "worker_name");
-  hello.worker_name.assign(in.substr(0, name_len));
-  in.remove_prefix(name_len);
+  // A u32 length (at most `limit`), then that many bytes: `field` names it in errors,
+  // `words` in the limit's.
+  const auto text = [&](const std::string& field, const char* words, std::size_t limit) {
+    need(4, (field + " length").c_str());
+    const auto len = detail::get_le<std::uint32_t>(in.data());
+    in.remove_prefix(4);
+    if (len > limit) {
+      throw ProtocolError(std::string("handshake ") + words + " length " + std::to_string(len) +
+                          " exceeds limit " + std::to_string(limit));
+    }
+    need(len, field.c_str());
+    std::string out(in.substr(0, len));
+    in.remove_prefix(len);
+    return out;
+  };
+  hello.worker_name = text("worker_name", "worker name", kMaxHelloNameBytes);
   need(8, "worker_id");
   hello.worker_id = detail::get_le<std::int64_t>(in.data());
   in.remove_prefix(8);
+  hello.listen_address = text("listen_address", "listen address", kMaxHelloAddressBytes);
   need(1, "authentication kind");
   const auto kind = detail::get_le<std::uint8_t>(in.data());
   in.remove_prefix(1);

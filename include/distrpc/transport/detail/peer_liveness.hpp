@@ -4,7 +4,10 @@
 // and sends fail fast until add_peer() registers the peer again. That registration is a fresh
 // incarnation: events of connections made before it (a late hang-up of the old pair) must not
 // mark the new one lost. Every connection records the generation it was made (or adopted) in, and
-// its loss counts only while that generation is current.
+// its loss counts only while that generation is current. A replacement may also dial before its
+// registration reaches this side: its connection is adopted in the old generation, but its Hello
+// says where it listens, and it counts as the new incarnation's once add_peer() registers that
+// address (current(), ahead_of()), so its loss is not taken for the old incarnation's late one.
 //
 // Not synchronised: it lives under the peer entry's mutex.
 #pragma once
@@ -18,9 +21,23 @@ class PeerLiveness {
  public:
   // The generation a connection made now belongs to.
   std::uint64_t generation() const { return generation_; }
-  // False for a connection of a registration since replaced: its events are ignored.
-  bool current(std::uint64_t connection_generation) const {
-    return connection_generation == generation_;
+  // False for a connection of a registration since replaced: its events are ignored. An
+  // incoming connection adopted `ahead` (see ahead_of()) belongs instead to the generation the
+  // next registration starts, once that registration (`registered`, the peer's address now) is
+  // at the address its dialler said it listens at: the dialler is that registration's process,
+  // which dialled before this side was told of it. Until then its events are nobody's.
+  bool current(std::uint64_t connection_generation, const std::string& ahead = {},
+               const std::string& registered = {}) const {
+    if (ahead.empty()) return connection_generation == generation_;
+    return ahead == registered && connection_generation + 1 == generation_;
+  }
+  // For an incoming connection whose dialler listens at `claimed` (its Hello), from a peer
+  // registered at `registered` (empty: not yet): `claimed` when they differ, so the connection
+  // comes from a later incarnation not registered here yet (a process replacing a dead one,
+  // whose add_peer() has not arrived); empty otherwise. Kept with the connection for current().
+  static std::string ahead_of(const std::string& registered, const std::string& claimed) {
+    return !registered.empty() && !claimed.empty() && claimed != registered ? claimed
+                                                                            : std::string();
   }
   // The first reason a connection of this incarnation broke; empty while none did.
   const std::string& lost_reason() const { return lost_reason_; }

@@ -21,13 +21,15 @@ inline std::string log_who(const TransportOptions& o) {
 }
 
 // The hello this worker opens a connection with (`secret`: the group's shared secret, if any;
-// it is never sent, only a fresh challenge nonce is). The acceptor replies with
-// wire::make_acceptor_hello() built on this.
-inline wire::Hello make_hello(const TransportOptions& o, const std::optional<std::string>& secret) {
+// it is never sent, only a fresh challenge nonce is; `address`: where this worker listens). The
+// acceptor replies with wire::make_acceptor_hello() built on this.
+inline wire::Hello make_hello(const TransportOptions& o, const std::optional<std::string>& secret,
+                              const std::string& address) {
   wire::Hello h;
   h.protocol_version = wire::kProtocolVersion;
   h.worker_name = o.self_name;
   h.worker_id = o.self_id;
+  h.listen_address = address;
   if (secret) h.nonce = wire::auth::make_nonce();
   return h;
 }

@@ -302,6 +302,7 @@ struct Connection {
   bool outgoing = false;
   int peer = -1;
   std::uint64_t generation = 0;  // of the Peer's liveness when it was made or adopted
+  std::string ahead;             // incoming, from an incarnation not registered yet: its address
   std::string peer_name;
   std::string remote;  // "host:port" of the other end, for logs and errors
   // With TLS: the session on `fd`. One thread reads and others write, and an SSL* is not safe for
@@ -520,7 +521,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
                                  "tcp: dropping connection from " + remote + ": " + reason);
   }
 
-  wire::Hello my_hello() const { return transport::detail::make_hello(options_, token_); }
+  wire::Hello my_hello() const { return transport::detail::make_hello(options_, token_, address_); }
 
   std::shared_ptr<Peer> peer_entry(int id) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -868,6 +869,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->name.empty()) p->name = c->peer_name;
       c->generation = p->liveness.generation();
+      c->ahead = transport::detail::PeerLiveness::ahead_of(p->address, h.hello.listen_address);
     }
     start_reading(c);
   }
@@ -1543,10 +1545,12 @@ class Impl : public std::enable_shared_from_this<Impl> {
       if (p->out == c) p->out.reset();
       // Both connections with a dead peer break together: the owner hears about the peer once;
       // a connection of a registration since replaced is ignored.
-      if (p->liveness.current(c->generation)) report = p->liveness.mark_lost(reason);
+      if (p->liveness.current(c->generation, c->ahead, p->address)) {
+        report = p->liveness.mark_lost(reason);
+      }
       // The peer is lost, and so is our connection to it: a send blocked there (its host vanished
       // with our bytes unacknowledged, which TCP retries for many minutes) fails now, saying why.
-      if (report && p->out && p->out->generation == c->generation) other = p->out;
+      if (report && p->out && p->liveness.current(p->out->generation)) other = p->out;
     }
     if (other) {
       other->record_failure("worker " + std::to_string(c->peer) + " was lost: " + reason);

@@ -100,6 +100,7 @@ struct InConn {
 
   int peer = -1;
   std::uint64_t generation = 0;  // of the Peer when this connection was adopted
+  std::string ahead;             // from an incarnation not registered yet: its address
   std::string peer_name;
   std::string remote;
   Fd sock;

@@ -181,7 +181,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
                                  "shm: dropping connection from " + remote + ": " + reason);
   }
 
-  wire::Hello my_hello() const { return transport::detail::make_hello(options_, token_); }
+  wire::Hello my_hello() const { return transport::detail::make_hello(options_, token_, address_); }
 
   std::shared_ptr<Peer> peer_entry(int id) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -300,8 +300,9 @@ class Impl : public std::enable_shared_from_this<Impl> {
   void deliver(InConn& c, wire::Message&& m);
   void drop(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
   void lose(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
+  // `ahead`: an incoming connection's (PeerLiveness::ahead_of), empty for ours.
   void report_lost(int peer, const OutConn* out, std::uint64_t generation,
-                   const std::string& reason);
+                   const std::string& reason, const std::string& ahead = {});
 
   const TransportOptions options_;
   const TransportCallbacks callbacks_;

@@ -178,17 +178,17 @@ inline void Impl::lose(std::shared_ptr<InConn> c, std::uint64_t token, const std
   unwatch(token, c->sock.get());
   ins_.erase(std::remove(ins_.begin(), ins_.end(), c), ins_.end());
   c->sock.reset();  // the peer sees the hang-up
-  report_lost(c->peer, nullptr, c->generation, reason);
+  report_lost(c->peer, nullptr, c->generation, reason, c->ahead);
 }
 
 inline void Impl::report_lost(int peer, const OutConn* out, std::uint64_t generation,
-                              const std::string& reason) {
+                              const std::string& reason, const std::string& ahead) {
   bool report = false;
   if (auto p = find_peer(peer)) {
     std::lock_guard<std::mutex> lk(p->mu);
     if (out && p->out.get() == out) p->out.reset();
     // A connection of a registration since replaced is ignored.
-    if (!p->liveness.current(generation)) return;
+    if (!p->liveness.current(generation, ahead, p->address)) return;
     // Our connection to it and its connection to us break together: it is reported once.
     report = p->liveness.mark_lost(reason);
     // A peer that loses either connection loses both: a half-open pair would let requests go
