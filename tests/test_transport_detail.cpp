@@ -252,6 +252,37 @@ TEST_CASE("transport detail: a late hang-up of an old connection does not mark t
   CHECK_FALSE(p.lost());
 }
 
+TEST_CASE(
+    "transport detail: a replacement's connection adopted before its registration is its own once "
+    "registered") {
+  using distrpc::transport::detail::PeerLiveness;
+  // Kept with an incoming connection only when the dialler listens where the peer is not
+  // registered.
+  CHECK(PeerLiveness::ahead_of("h:1", "h:2") == "h:2");
+  CHECK(PeerLiveness::ahead_of("h:1", "h:1").empty());
+  CHECK(PeerLiveness::ahead_of("", "h:2").empty());  // not registered yet: the usual rule
+  CHECK(PeerLiveness::ahead_of("h:1", "").empty());  // the dialler did not say
+  PeerLiveness p;
+  const auto g = p.generation();
+  // Adopted while the peer is registered at h:1, from a dialler listening at h:2.
+  const std::string ahead = PeerLiveness::ahead_of("h:1", "h:2");
+  CHECK_FALSE(p.current(g, ahead, "h:1"));  // nobody's until the move
+  CHECK(p.current(g));                      // an ordinary connection of that time is current
+  // add_peer() at another address first (say, a refused joiner's), then at h:2.
+  CHECK(p.renew(/*moved=*/true));
+  CHECK_FALSE(p.current(g, ahead, "h:3"));
+  CHECK(p.renew(/*moved=*/true));
+  CHECK(p.current(g, ahead, "h:2"));  // the registration it dialled ahead of
+  CHECK_FALSE(p.current(g));          // the ordinary one of the old generation is stale
+  // A connection adopted ahead after the move, or claiming another address, is not.
+  CHECK_FALSE(p.current(p.generation(), ahead, "h:2"));
+  CHECK_FALSE(p.current(g, "h:9", "h:2"));
+  // The registration at h:2 lost and registered again (a new process there): stale.
+  CHECK(p.mark_lost("reset"));
+  CHECK(p.renew());
+  CHECK_FALSE(p.current(g, ahead, "h:2"));
+}
+
 TEST_CASE("transport detail: the handshake's identity check names who answered") {
   using distrpc::transport::detail::identity_mismatch;
   CHECK(identity_mismatch(2, "w2", 2, "w2").empty());

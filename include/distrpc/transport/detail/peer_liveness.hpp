@@ -22,14 +22,15 @@ class PeerLiveness {
   // The generation a connection made now belongs to.
   std::uint64_t generation() const { return generation_; }
   // False for a connection of a registration since replaced: its events are ignored. An
-  // incoming connection adopted `ahead` (see ahead_of()) belongs instead to the generation the
-  // next registration starts, once that registration (`registered`, the peer's address now) is
-  // at the address its dialler said it listens at: the dialler is that registration's process,
-  // which dialled before this side was told of it. Until then its events are nobody's.
+  // incoming connection adopted `ahead` (see ahead_of()) belongs instead to the registration at
+  // the address its dialler said it listens at, once the peer has moved there (`registered`, the
+  // peer's address now) after the connection was adopted, and as long as that registration
+  // lasts: the dialler is that registration's process, which dialled before this side was told
+  // of it. Until then its events are nobody's.
   bool current(std::uint64_t connection_generation, const std::string& ahead = {},
                const std::string& registered = {}) const {
     if (ahead.empty()) return connection_generation == generation_;
-    return ahead == registered && connection_generation + 1 == generation_;
+    return ahead == registered && connection_generation < moved_at_ && generation_ == moved_at_;
   }
   // For an incoming connection whose dialler listens at `claimed` (its Hello), from a peer
   // registered at `registered` (empty: not yet): `claimed` when they differ, so the connection
@@ -52,6 +53,7 @@ class PeerLiveness {
   bool renew(bool moved = false) {
     const bool fresh = moved || !lost_reason_.empty() || lost_reported_;
     if (fresh) ++generation_;
+    if (moved) moved_at_ = generation_;
     lost_reason_.clear();
     lost_reported_ = false;
     return fresh;
@@ -70,6 +72,7 @@ class PeerLiveness {
   std::string lost_reason_;
   bool lost_reported_ = false;
   std::uint64_t generation_ = 0;
+  std::uint64_t moved_at_ = 0;  // the generation the last move to a new address started
 };
 
 }  // namespace distrpc::transport::detail
