@@ -2,7 +2,8 @@
 // can be compared side by side. Starts its own two worker processes on loopback (re-executing
 // this binary; no fork) and prints one JSON object.
 //
-//   build/examples/bench_rpc [--transport tcp|shm|auto|cuda_ipc] [--small N] [--big N] [--async N]
+//   build/examples/bench_rpc [--transport tcp|shm|auto|cuda_ipc|nccl] [--small N] [--big N]
+//   [--async N]
 //                            [--async-windows N]
 //                            [--sync-spin-us N]   (RpcBackendOptions::sync_wait_spin; default: its)
 //                            [--tls [DIR]]   (mutual TLS on tcp: DIR holds ca.pem, cert.pem and
@@ -63,6 +64,9 @@
 #endif
 #ifdef DISTRPC_HAVE_CUDART
 #include "distrpc/transport/cuda_ipc.hpp"
+#endif
+#ifdef DISTRPC_HAVE_NCCL
+#include "distrpc/transport/nccl.hpp"
 #endif
 #include "spawn_self.hpp"
 
@@ -156,6 +160,9 @@ Args parse(int argc, char** argv) {
 #ifdef DISTRPC_HAVE_CUDART
   known.push_back("cuda_ipc");
 #endif
+#ifdef DISTRPC_HAVE_NCCL
+  known.push_back("nccl");
+#endif
   if (std::find(known.begin(), known.end(), a.transport) == known.end()) {
     std::string list;
     for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
@@ -217,6 +224,10 @@ void init_worker(const Args& a, const std::string& me, const distrpc::RpcBackend
 #ifdef DISTRPC_HAVE_CUDART
   // CUDA tensors GPU to GPU through CUDA IPC, the messages over tcp.
   if (a.transport == "cuda_ipc") return distrpc::init_rpc<CudaIpc<Tcp>>(me, a.rank, 2, opts);
+#endif
+#ifdef DISTRPC_HAVE_NCCL
+  // Nccl<Tcp>: NCCL between different GPUs; on one GPU shared by both workers, its CUDA IPC side.
+  if (a.transport == "nccl") return distrpc::init_rpc<Nccl<Tcp>>(me, a.rank, 2, opts);
 #endif
   distrpc::init_rpc<Tcp>(me, a.rank, 2, opts);
 }

@@ -120,8 +120,9 @@ if [ "${DISTRPC_GPU_BENCH:-1}" = "1" ]; then
   header "GPU benchmarks (bench_rpc --cuda, PyTorch's RPC with a device map; bench_nccl, PyTorch's NCCL)"
   # A benchmark that fails (not one that skips for want of a GPU) counts as a failure.
   bench_limit=${DISTRPC_BENCH_LIMIT:-300}
-  # cuda_ipc: GPU to GPU through CUDA IPC (built where the CUDA runtime was found).
-  for tr in cuda_ipc shm tcp; do
+  # cuda_ipc: GPU to GPU through CUDA IPC (built where the CUDA runtime was found); nccl: the
+  # Nccl policy, whose CUDA IPC side serves two workers on one GPU.
+  for tr in cuda_ipc nccl shm tcp; do
     timeout "$bench_limit" "$build/examples/bench_rpc" --cuda --transport "$tr" || failed=$((failed + 1))
   done
   timeout "$bench_limit" "$python" examples/reference/torch_cuda_rpc_ref.py || failed=$((failed + 1))

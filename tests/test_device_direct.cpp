@@ -7,12 +7,17 @@
 // test_rpc_devices.cpp (needs a GPU).
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -392,4 +397,177 @@ TEST_CASE("DeviceDirect: agents call each other over it, tensors through the cha
   REQUIRE(f.wait_for(30s) == std::future_status::ready);
   f.get();
   CHECK(HostChannel::lent_now() == 0);
+}
+
+namespace {
+
+// HostChannel with the optional hooks of a channel that pairs a peer's imports with its exports
+// in order (as NCCL's receives match its sends): ordered_exports, unsent and peer_lost. Each
+// descriptor carries the sequence number of its export to that peer; an import checks that they
+// arrive in that order.
+struct OrderedChannel : HostChannel {
+  static constexpr std::string_view name = "ordered_channel";
+  static constexpr bool ordered_exports = true;
+  struct Counts {
+    std::atomic<int> out_of_order{0};
+    std::atomic<int> unsent{0};
+    std::atomic<int> peer_lost{0};
+    std::atomic<int> refused{0};
+    std::atomic<int> forgotten_at_loss{-1};  // forget() calls seen when peer_lost() came
+  };
+  static Counts& counts() {
+    static Counts c;
+    return c;
+  }
+  static void reset() {
+    HostChannel::reset();
+    counts().out_of_order = 0;
+    counts().unsent = 0;
+    counts().peer_lost = 0;
+    counts().refused = 0;
+    counts().forgotten_at_loss = -1;
+  }
+
+  using HostChannel::HostChannel;
+
+  distrpc::transport::ChannelExport export_buffer(int peer, const at::Tensor& b) {
+    auto e = HostChannel::export_buffer(peer, b);
+    std::uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      seq = ++exported_[peer];
+    }
+    // Widens the window between an export and the send of its Transfer, where senders on
+    // several threads would interleave without the policy's lock.
+    std::this_thread::yield();
+    e.descriptor.insert(0, reinterpret_cast<const char*>(&seq), sizeof seq);
+    return e;
+  }
+  at::Tensor import_buffer(int peer, std::string_view d, std::int64_t nbytes) {
+    std::uint64_t seq = 0;
+    if (d.size() < sizeof seq) throw std::runtime_error("ordered_channel: bad descriptor");
+    std::memcpy(&seq, d.data(), sizeof seq);
+    if (seq != ++imported_[peer]) {  // imports run on the receiving thread only
+      ++counts().out_of_order;
+      imported_[peer] = seq;
+    }
+    return HostChannel::import_buffer(peer, d.substr(sizeof seq), nbytes);
+  }
+  void unsent(const std::shared_ptr<void>& keep) {
+    if (keep) ++counts().unsent;
+  }
+  void refused(const std::shared_ptr<void>& keep) {
+    if (keep) ++counts().refused;
+  }
+  void peer_lost(int /*peer*/) {
+    counts().forgotten_at_loss = knobs().forgotten.load();
+    ++counts().peer_lost;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::uint64_t> exported_;
+  std::map<int, std::uint64_t> imported_;
+};
+
+using Ordered = distrpc::transport::DeviceDirect<Tcp, OrderedChannel>;
+using OrderedNode = NodeOf<Ordered>;
+
+struct ResetOrdered {
+  ResetOrdered() { OrderedChannel::reset(); }
+  ~ResetOrdered() { OrderedChannel::reset(); }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "DeviceDirect: a channel with ordered_exports imports a peer's buffers in the order they were "
+    "exported, with 4 threads sending") {
+  ResetOrdered reset;
+  OrderedNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  constexpr int kThreads = 4;
+  constexpr int kEach = 150;
+  std::vector<std::thread> senders;
+  for (int t = 0; t < kThreads; ++t) {
+    senders.emplace_back([&, t] {
+      for (int i = 0; i < kEach; ++i) {
+        const int id = t * kEach + i + 1;
+        a.ctx->send(1, make_message(MessageType::Request, static_cast<std::uint64_t>(id), "o",
+                                    {pattern_bytes(256 + id % 7, static_cast<std::uint32_t>(id))}));
+      }
+    });
+  }
+  for (auto& s : senders) s.join();
+  REQUIRE(b.inbox.wait_messages(kThreads * kEach));
+  CHECK(OrderedChannel::counts().out_of_order == 0);
+  std::lock_guard<std::mutex> lk(b.inbox.mu);
+  int intact = 0;
+  for (const auto& [peer, m] : b.inbox.messages) {
+    const auto id = static_cast<std::uint32_t>(m.id);
+    intact += m.buffers.size() == 1 && same_bytes(m.buffers[0], pattern_bytes(256 + id % 7, id));
+  }
+  CHECK(intact == kThreads * kEach);
+}
+
+TEST_CASE(
+    "DeviceDirect: the channel hears of a lost peer at once (peer_lost), before forget() and "
+    "while an import from that peer is still running") {
+  ResetOrdered reset;
+  OrderedNode a(0);
+  auto b = std::make_unique<OrderedNode>(1);
+  introduce(a, 0, *b, 1);
+  HostChannel::knobs().hold_imports = true;  // a's receiving thread stays in the import
+  b->ctx->send(0, make_message(MessageType::Request, 1, "held", {pattern_bytes(4096, 1)}));
+  CHECK(eventually([&] { return a.ctx->stats().queued == 1; }));
+  b.reset();
+  CHECK(eventually([] { return OrderedChannel::counts().peer_lost.load() == 1; }));
+  CHECK(OrderedChannel::counts().forgotten_at_loss == 0);  // forget() is behind the import
+  CHECK(a.inbox.lost_count() == 0);                        // and so is the agent's news
+  HostChannel::knobs().hold_imports = false;
+  REQUIRE(a.inbox.wait_lost(1));
+  CHECK(HostChannel::knobs().forgotten == 1);
+  CHECK(OrderedChannel::counts().peer_lost == 1);
+}
+
+TEST_CASE(
+    "DeviceDirect: a buffer exported whose Transfer could not be sent is named to the channel "
+    "(unsent), and its loan ends") {
+  ResetOrdered reset;
+  OrderedNode a(0);
+  auto b = std::make_unique<OrderedNode>(1);
+  introduce(a, 0, *b, 1);
+  a.ctx->send(1, make_message(MessageType::Request, 1, "hello"));  // connected
+  REQUIRE(b->inbox.wait_messages(1));
+  b.reset();
+  REQUIRE(a.inbox.wait_lost(1));
+  // Still registered as reached: the export happens, then T refuses the send to a lost peer.
+  CHECK_THROWS_AS(a.ctx->send(1, make_message(MessageType::Request, 2, "late",
+                                              {pattern_bytes(4096, 2), pattern_bytes(512, 3)})),
+                  distrpc::DistNetworkError);
+  CHECK(OrderedChannel::counts().unsent == 2);
+  CHECK(a.ctx->stats().lent == 0);
+  CHECK(HostChannel::lent_now() == 0);
+}
+
+TEST_CASE(
+    "DeviceDirect: a receiver that could not import a buffer says so in its Release, and the "
+    "sender's channel hears of every buffer of that loan (refused)") {
+  ResetOrdered reset;
+  OrderedNode a(0), b(1);
+  introduce(a, 0, b, 1);
+  HostChannel::knobs().failing_imports = 1;
+  a.ctx->send(1, make_message(MessageType::Request, 1, "two",
+                              {pattern_bytes(4096, 1), pattern_bytes(512, 2)}));
+  REQUIRE(b.inbox.wait_messages(1));
+  CHECK(b.inbox.take(0).buffers.at(0).numel() == 0);  // the one that failed is left empty
+  CHECK(eventually([&] { return a.ctx->stats().lent == 0; }));
+  CHECK(a.ctx->stats().released == 1);
+  CHECK(OrderedChannel::counts().refused == 2);
+  // A loan whose buffers all came in is not refused.
+  a.ctx->send(1, make_message(MessageType::Request, 2, "fine", {pattern_bytes(4096, 3)}));
+  REQUIRE(b.inbox.wait_messages(2));
+  CHECK(eventually([&] { return a.ctx->stats().released == 2; }));
+  CHECK(OrderedChannel::counts().refused == 2);
+  CHECK(OrderedChannel::counts().out_of_order == 0);
 }

@@ -239,6 +239,42 @@ class StoreBackend : public dist::Backend {
   std::map<std::string, std::uint64_t> p2p_count_;  // messages per (src, dst, tag) so far
 };
 
+// "splittest": storetest whose new groups are split from the default group's backend, as the
+// nccl backend splits its communicator. split() is a collective over the parent group (every
+// process must call it, or the ones that did wait and fail), and the new group's backend
+// exchanges through a store prefix named by the split's number.
+class SplitBackend : public StoreBackend {
+ public:
+  SplitBackend(std::shared_ptr<distrpc::store::Store> store, int rank, int size, milliseconds t,
+               bool from_split = false)
+      : StoreBackend(store, rank, size, t), base_(std::move(store)), from_split_(from_split) {}
+  std::string name() const override { return "splittest"; }
+  bool can_split() const noexcept override { return true; }
+  std::shared_ptr<dist::Backend> split(const std::vector<int>& ranks, int new_rank,
+                                       milliseconds timeout) override {
+    calls_.emplace_back(ranks, new_rank);
+    const std::string key = "split/" + std::to_string(calls_.size());
+    base_->add(key + "/arrived", 1);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (base_->add(key + "/arrived", 0) < size()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw distrpc::DistBackendError("splittest: not every member split");
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    if (new_rank < 0) return nullptr;
+    return std::make_shared<SplitBackend>(std::make_shared<distrpc::store::PrefixStore>(key, base_),
+                                          new_rank, static_cast<int>(ranks.size()), timeout, true);
+  }
+  bool from_split() const { return from_split_; }
+  const std::vector<std::pair<std::vector<int>, int>>& calls() const { return calls_; }
+
+ private:
+  std::shared_ptr<distrpc::store::Store> base_;
+  bool from_split_;
+  std::vector<std::pair<std::vector<int>, int>> calls_;  // (ranks, new_rank) per split()
+};
+
 void register_test_backends() {
   if (!dist::is_backend_available("dummy")) {
     // Registered in mixed case: the registry keeps names lower-case.
@@ -249,6 +285,11 @@ void register_test_backends() {
   if (!dist::is_backend_available("storetest")) {
     dist::register_backend("storetest", [](auto store, int rank, int size, auto timeout) {
       return std::make_shared<StoreBackend>(std::move(store), rank, size, timeout);
+    });
+  }
+  if (!dist::is_backend_available("splittest")) {
+    dist::register_backend("splittest", [](auto store, int rank, int size, auto timeout) {
+      return std::make_shared<SplitBackend>(std::move(store), rank, size, timeout);
     });
   }
 }
@@ -1009,6 +1050,74 @@ DISTRPC_MP_TEST("dist front: groups, ranks and non-members over file:// (scenari
   dist::all_gather_object(seqs, first->sequence_number(), {.group = first});
   CHECK(seqs == std::vector<std::uint64_t>{4, 4});
   CHECK(first->sequence_number() == 6);  // all_gather_object is two allgathers
+  dist::barrier();
+  dist::destroy_process_group();
+}
+
+// A backend that can split its communicator: new_group splits it, on every process, members and
+// not, only when every process calls new_group, and only for a group of the same backend.
+DISTRPC_MP_TEST("dist front: new_group splits the default group's backend where it can", 3, 120) {
+  register_test_backends();
+  dist::init_process_group("splittest", ctx.file_url(), ctx.rank, ctx.world, milliseconds(30000));
+  const int rank = ctx.rank;
+  auto parent = std::dynamic_pointer_cast<SplitBackend>(dist::get_default_group()->backend("cpu"));
+  REQUIRE(parent);
+  CHECK_FALSE(parent->from_split());
+
+  auto even = dist::new_group({2, 0});
+  REQUIRE(parent->calls().size() == 1);
+  CHECK(parent->calls()[0].first == std::vector<int>{0, 2});
+  CHECK(parent->calls()[0].second == (rank == 1 ? -1 : rank / 2));
+  if (rank == 1) {
+    CHECK(even == dist::ProcessGroup::non_member());
+  } else {
+    auto b = std::dynamic_pointer_cast<SplitBackend>(even->backend("cpu"));
+    REQUIRE(b);
+    CHECK(b->from_split());
+    CHECK(b->rank() == rank / 2);
+    CHECK(b->size() == 2);
+    at::Tensor x = at::full({2}, static_cast<float>(rank + 1));
+    dist::all_reduce(x, {.group = even});
+    CHECK(identical(x, at::full({2}, 4.0f)));  // 1 + 3: the split group's members only
+  }
+
+  // A group of another backend is made as usual.
+  auto other = dist::new_group({0, 1, 2}, {.backend = "storetest"});
+  REQUIRE(other);
+  CHECK(other->backend("cpu")->name() == "storetest");
+  CHECK(parent->calls().size() == 1);
+
+  // Members only (use_local_synchronization): nobody else takes part, so nothing is split.
+  if (rank < 2) {
+    auto local = dist::new_group({0, 1}, {.use_local_synchronization = true});
+    REQUIRE(local);
+    auto b = std::dynamic_pointer_cast<SplitBackend>(local->backend("cpu"));
+    REQUIRE(b);
+    CHECK_FALSE(b->from_split());
+    at::Tensor x = at::full({1}, static_cast<float>(rank + 1));
+    dist::all_reduce(x, {.group = local});
+    CHECK(identical(x, at::full({1}, 3.0f)));
+  }
+  CHECK(parent->calls().size() == 1);
+
+  // A backend name no process knows: members fail alike before any split, a non-member is not
+  // in the group.
+  if (rank == 1) {
+    CHECK(dist::new_group({0, 2}, {.backend = "nosuch"}) == dist::ProcessGroup::non_member());
+  } else {
+    CHECK(error_text<std::invalid_argument>([] {
+            dist::new_group({0, 2}, {.backend = "nosuch"});
+          }) == "new_group: backend 'nosuch' is not registered (register_backend(name, creator))");
+  }
+  CHECK(parent->calls().size() == 1);
+
+  // The whole world, split again: everyone is a member.
+  auto all = dist::new_group();
+  REQUIRE(parent->calls().size() == 2);
+  CHECK(parent->calls()[1].second == rank);
+  at::Tensor y = at::full({1}, 1.0f);
+  dist::all_reduce(y, {.group = all});
+  CHECK(identical(y, at::full({1}, 3.0f)));
   dist::barrier();
   dist::destroy_process_group();
 }

@@ -241,6 +241,37 @@ DISTRPC_MP_TEST("nccl backend: the front end routes CUDA tensors of a cuda:nccl 
   dist::destroy_process_group();
 }
 
+DISTRPC_MP_TEST("nccl backend: new_group splits the default group's communicator (world 1)", 1,
+                120) {
+  if (!nccl_group_of_one()) return;
+  namespace dist = distrpc::dist;
+  auto parent = std::dynamic_pointer_cast<NcclBackend>(dist::get_default_group()->backend("cuda"));
+  REQUIRE(parent);
+  CHECK(parent->can_split());
+  CHECK(parent->splits() == 0);
+  auto sub = dist::new_group({0});
+  REQUIRE(sub);
+  CHECK(parent->splits() == 1);
+  auto mine = std::dynamic_pointer_cast<NcclBackend>(sub->backend("cuda"));
+  REQUIRE(mine);
+  CHECK(mine->made_by_split());
+  CHECK_FALSE(parent->made_by_split());
+  CHECK(mine->device() == parent->device());
+  at::Tensor t = at::arange(8, on(0));
+  dist::all_reduce(t, {.group = sub});
+  CHECK(at::equal(t, at::arange(8, on(0))));
+  CHECK(sub->sequence_number() == 1);
+  CHECK(dist::get_default_group()->sequence_number() == 0);
+  // A group of its members only (use_local_synchronization) is made on its own.
+  auto local = dist::new_group({0}, {.use_local_synchronization = true});
+  REQUIRE(local);
+  CHECK(parent->splits() == 1);
+  CHECK_FALSE(std::dynamic_pointer_cast<NcclBackend>(local->backend("cuda"))->made_by_split());
+  CHECK(mine->can_split());  // and can be split in turn
+  dist::barrier({.group = sub});
+  dist::destroy_process_group();
+}
+
 // DistributedDataParallel on cuda:0 over the nccl backend alone (a group of one: what one GPU
 // allows; the group has no CPU backend). It trains exactly as the module alone; the reducer's own
 // collectives run on the GPU too: the bucket plan broadcast before the second forward, and the

@@ -54,12 +54,14 @@ DISTRPC_MP_TARGET("harness target: rank throws") {
 DISTRPC_MP_TARGET("harness target: the case's environment") {
   const char* v = std::getenv("DISTRPC_HARNESS_PROBE");
   CHECK(v != nullptr);
-  CHECK(std::string(v ? v : "") == "from the case");
+  CHECK(std::string(v ? v : "") == (ctx.rank == 1 ? "rank 1's own" : "from the case"));
   CHECK(std::string(std::getenv("DISTRPC_HARNESS_KEPT") ? std::getenv("DISTRPC_HARNESS_KEPT")
                                                         : "") == "inherited");
 }
 
-TEST_CASE("harness: RunOptions::env replaces an inherited variable of the same name") {
+TEST_CASE(
+    "harness: RunOptions::env replaces an inherited variable of the same name, and rank_env "
+    "replaces both for its rank") {
   struct Inherited {  // set for the run, unset on every way out
     Inherited() {
       ::setenv("DISTRPC_HARNESS_PROBE", "inherited", 1);
@@ -74,6 +76,7 @@ TEST_CASE("harness: RunOptions::env replaces an inherited variable of the same n
   o.world = 2;
   o.limit = std::chrono::seconds(30);
   o.env = {"DISTRPC_HARNESS_PROBE=from the case"};
+  o.rank_env[1] = {"DISTRPC_HARNESS_PROBE=rank 1's own"};
   auto r = run_ranks("harness target: the case's environment", o);
   CHECK_MESSAGE(r.ok, r.report());
 }

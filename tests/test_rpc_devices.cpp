@@ -25,6 +25,9 @@
 #include <distrpc/transport/cuda_ipc.hpp>
 #include <distrpc/transport/tcp.hpp>
 #endif
+#ifdef DISTRPC_HAVE_NCCL
+#include <distrpc/transport/nccl.hpp>
+#endif
 
 #include "multiprocess.hpp"
 #include "support/fake_cuda.hpp"
@@ -544,6 +547,66 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
 }
 #endif
 
+#ifdef DISTRPC_HAVE_NCCL
+// Nccl<Tcp>. On one GPU both processes see it, so every CUDA buffer goes through the policy's
+// CUDA IPC side (NCCL refuses one device twice in a communicator). With DISTRPC_TEST_SPLIT_GPUS
+// each process sees one GPU of its own (CUDA_VISIBLE_DEVICES), neither sees the other's, and
+// every buffer goes over NCCL point-to-point.
+DISTRPC_MP_TARGET("devices target: Nccl<Tcp> moves CUDA tensors GPU to GPU") {
+  using Policy = distrpc::transport::Nccl<distrpc::transport::Tcp>;
+  RpcBackendOptions o;
+  o.init_method = distrpc::testing::file_url(ctx, "nccl-policy");
+  o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
+  distrpc::init_rpc<Policy>(wname(ctx.rank), ctx.rank, ctx.world, o);
+  auto agent = std::dynamic_pointer_cast<distrpc::Agent<Policy>>(distrpc::detail::current_agent());
+  REQUIRE(agent);
+  CHECK(agent->context().reaches(1 - ctx.rank));
+  const bool split = std::getenv("DISTRPC_TEST_SPLIT_GPUS") != nullptr;
+  if (ctx.rank == 0) {
+    const c10::Device gpu(c10::kCUDA, 0);
+    // 20 calls in flight from a side stream, and a nested call back to this worker.
+    const at::Tensor x = side_stream_calls(gpu);
+    const at::Tensor big = at::arange(16 << 20, at::TensorOptions().dtype(at::kFloat).device(gpu));
+    CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", big), big));
+    const at::Tensor t = x.t();
+    const at::Tensor back = distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", t);
+    CHECK(back.strides() == t.strides());
+    CHECK(at::equal(back, t));
+    // Sizes that change from call to call: each receive pairs with its own send.
+    for (int k = 0; k < 20; ++k) {
+      const at::Tensor v =
+          at::full({1 + 997 * k}, static_cast<float>(k), at::TensorOptions().device(gpu));
+      CHECK(at::equal(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", v), v));
+    }
+    CHECK(distrpc::rpc_sync<&devmap_test::devmap_echo>("worker1", at::ones({3})).is_cpu());
+    const auto s = agent->context().stats();
+    CHECK(s.staged == 0);
+    CHECK(s.failed == 0);
+    CHECK(s.exported >= 42);
+    const auto c = agent->context().channel().stats();
+    MESSAGE("split GPUs " << split << ": through CUDA IPC " << c.ipc_sent << " sent, "
+                          << c.ipc_received << " received; through NCCL " << c.nccl_sent
+                          << " sent, " << c.nccl_received << " received, " << c.communicators
+                          << " communicators");
+    if (split) {
+      CHECK(c.ipc_sent == 0);
+      CHECK(c.nccl_sent == s.exported);
+      CHECK(c.nccl_received == s.imported);
+      CHECK(c.communicators == 2);  // one per direction
+      CHECK(c.aborted == 0);
+    } else {
+      CHECK(c.nccl_sent == 0);
+      CHECK(c.ipc_sent == s.exported);
+      CHECK(c.ipc_received == s.imported);
+      CHECK(c.communicators == 0);
+    }
+  }
+  distrpc::barrier();
+  CHECK(distrpc::testing::eventually([&] { return agent->context().stats().lent == 0; }));
+  distrpc::shutdown();
+}
+#endif
+
 namespace {
 void run_on_gpus(const char* target, int gpus, std::vector<std::string> env = {}) {
   const int have = distrpc::compat::cuda_device_count();
@@ -627,3 +690,86 @@ TEST_CASE("devices: the map {0: 1, 1: 0} swaps GPUs (needs 2 GPUs)") {
   if (!on_tcp()) return;
   run_on_gpus("devices target: the map {0: 1, 1: 0} swaps GPUs (2 GPUs)", 2);
 }
+
+#ifdef DISTRPC_HAVE_NCCL
+TEST_CASE("devices: Nccl<Tcp> on one GPU goes through CUDA IPC (needs a GPU)") {
+  if (!on_tcp()) return;
+  run_on_gpus("devices target: Nccl<Tcp> moves CUDA tensors GPU to GPU", 1);
+}
+
+TEST_CASE("devices: Nccl<Tcp> with a GPU per process goes over NCCL (needs 2 GPUs)") {
+  if (!on_tcp()) return;
+  const int have = distrpc::compat::cuda_device_count();
+  if (have < 2) {
+    MESSAGE("skipped: needs 2 GPUs, this machine has " << have);
+    return;
+  }
+  distrpc::testing::RunOptions o;
+  o.world = 2;
+  o.limit = std::chrono::seconds(120);
+  o.env = {"DISTRPC_TEST_SPLIT_GPUS=1"};
+  o.rank_env[0] = {"CUDA_VISIBLE_DEVICES=0"};
+  o.rank_env[1] = {"CUDA_VISIBLE_DEVICES=1"};
+  auto r =
+      distrpc::testing::run_ranks("devices target: Nccl<Tcp> moves CUDA tensors GPU to GPU", o);
+  CHECK_MESSAGE(r.ok, r.report());
+}
+
+TEST_CASE("devices: the nccl channel's descriptors and addresses are checked, on any machine") {
+  namespace td = distrpc::transport::detail;
+  using distrpc::transport::NcclChannel;
+  td::NcclDescriptor d;
+  d.generation = 7;
+  d.seq = 3;
+  d.device = 1;
+  d.id.internal[0] = 'x';
+  const std::string wire = td::encode_nccl_descriptor(d);
+  REQUIRE(wire.size() == 1 + sizeof d);
+  CHECK(wire.front() == 'N');
+  const auto back = td::decode_nccl_descriptor(std::string_view(wire).substr(1));
+  CHECK(back.generation == 7);
+  CHECK(back.seq == 3);
+  CHECK(back.device == 1);
+  CHECK(back.id.internal[0] == 'x');
+  CHECK(error_text<distrpc::DistNetworkError>([&] {
+          td::decode_nccl_descriptor(std::string_view(wire).substr(1, 10));
+        }) == "nccl: descriptor of 10 bytes (expected " + std::to_string(sizeof d) + ")");
+  td::NcclDescriptor zero = d;
+  zero.seq = 0;
+  CHECK(error_text<distrpc::DistNetworkError>([&] {
+          td::decode_nccl_descriptor(td::encode_nccl_descriptor(zero).substr(1));
+        }) == "nccl: descriptor with sequence number 0 and device 1");
+  td::NcclDescriptor negative = d;
+  negative.device = -2;
+  CHECK(error_text<distrpc::DistNetworkError>([&] {
+          td::decode_nccl_descriptor(td::encode_nccl_descriptor(negative).substr(1));
+        }) == "nccl: descriptor with sequence number 3 and device -2");
+
+  CHECK(td::address_has_gpus("host=b;pid=1;gpus=0000:01:00.0"));
+  CHECK(td::address_has_gpus("host=b;gpus=0000:01:00.0,0000:02:00.0;pid=1"));
+  CHECK_FALSE(td::address_has_gpus("host=b;pid=1;gpus="));
+  CHECK_FALSE(td::address_has_gpus("host=b;pid=1;gpus=;x=1"));
+  CHECK_FALSE(td::address_has_gpus(""));
+
+  NcclChannel c(0);
+  CHECK(c.carries(at::ones({2})) == false);
+  CHECK(error_text<distrpc::DistNetworkError>([&] { c.import_buffer(1, "", 8); }) ==
+        "nccl: empty descriptor");
+  CHECK(error_text<distrpc::DistNetworkError>([&] { c.import_buffer(1, "Z123", 8); }) ==
+        "nccl: descriptor of unknown kind 90");
+  CHECK(error_text<distrpc::DistNetworkError>([&] { c.import_buffer(1, "N12", 8); }) ==
+        "nccl: descriptor of 2 bytes (expected " + std::to_string(sizeof d) + ")");
+  // The same process is never reached (NCCL would see its GPU twice); a process without GPUs
+  // neither.
+  CHECK_FALSE(c.connect(1, c.address()));
+  CHECK_FALSE(c.connect(2, "host=elsewhere;pid=1;gpus="));
+  if (distrpc::compat::cuda_device_count() == 0) {
+    CHECK(c.address().empty());
+    CHECK_FALSE(c.connect(3, "host=elsewhere;pid=1;gpus=0000:01:00.0"));
+  } else {
+    CHECK(c.connect(3, "host=elsewhere;pid=1;gpus=0000:01:00.0"));  // another host: NCCL
+  }
+  const auto st = c.stats();
+  CHECK(st.nccl_sent + st.ipc_sent + st.communicators + st.aborted == 0);
+}
+#endif

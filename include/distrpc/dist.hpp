@@ -22,8 +22,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -258,6 +261,29 @@ inline std::vector<int> get_process_group_ranks(const std::shared_ptr<ProcessGro
   return detail::registered(group, "get_process_group_ranks")->global_ranks();
 }
 
+namespace detail {
+
+// The backends of a new group of the world's `ranks` that the default group's backends split
+// from their own communicators (Backend::can_split), by name: for each backend of `config` that
+// also serves that device in `parent` and can split, every process calls split() in the order of
+// `config` (the same everywhere), members and not (`new_rank` -1). Others are made as usual.
+inline std::map<std::string, std::shared_ptr<Backend>> split_from(
+    const ProcessGroup& parent, const BackendConfig& config, const std::vector<int>& ranks,
+    int new_rank, std::chrono::milliseconds timeout) {
+  std::map<std::string, std::shared_ptr<Backend>> out;
+  std::set<std::string> seen;
+  for (const auto& [device, name] : config.device_backend_map()) {
+    if (!seen.insert(name).second || !parent.has_backend(device)) continue;
+    const std::shared_ptr<Backend> b = parent.backend(device);
+    if (!b->can_split() || lower(parent.backend_config().backend_for(device)) != name) continue;
+    std::shared_ptr<Backend> mine = b->split(ranks, new_rank, timeout);
+    if (new_rank >= 0) out.emplace(name, std::move(mine));
+  }
+  return out;
+}
+
+}  // namespace detail
+
 // A group of the given world ranks (empty: all). Only members meet (in a store-based barrier on
 // the group's own store); see NewGroupOptions for what non-members do and get. Groups with the
 // same members are distinct groups: their names and store prefixes differ.
@@ -268,14 +294,16 @@ inline std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks = {},
   std::shared_ptr<store::Store> store;
   std::uint64_t generation = 0;
   int my_rank = -1;
+  bool member = false;
   std::chrono::milliseconds timeout{0};
   std::string backend;
+  std::shared_ptr<ProcessGroup> parent;  // the default group, when the new one may be split from it
   {
     std::lock_guard<std::mutex> lock(w.mu);
     if (!w.default_pg) detail::not_initialized();
     ranks = detail::checked_ranks(std::move(ranks), w.world_size);
     my_rank = w.rank;
-    const bool member = std::binary_search(ranks.begin(), ranks.end(), my_rank);
+    member = std::binary_search(ranks.begin(), ranks.end(), my_rank);
     if (opts.use_local_synchronization) {
       if (!member) return nullptr;
       // Named by its members and how many groups of these members this process made: members
@@ -284,9 +312,10 @@ inline std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks = {},
       for (int r : ranks) members += (members.empty() ? "" : ",") + std::to_string(r);
       name = "local[" + members + "]#" + std::to_string(w.local_group_count[ranks]++);
     } else {
-      // Every process calls new_group in the same order (PyTorch's rule), so this counter agrees.
+      // Every process calls new_group in the same order (PyTorch's rule), so this counter agrees,
+      // and a backend that splits its communicator can do so with every process taking part.
       name = "group" + std::to_string(++w.group_count);
-      if (!member) return ProcessGroup::non_member();
+      parent = w.default_pg;
     }
     store = w.store;
     generation = w.generation;
@@ -294,17 +323,30 @@ inline std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks = {},
     backend = opts.backend.empty() ? w.backend : detail::lower(opts.backend);
   }
   if (timeout <= std::chrono::milliseconds::zero()) {
+    if (!member) return ProcessGroup::non_member();
     throw std::invalid_argument("new_group: the timeout must be positive, got " +
                                 std::to_string(timeout.count()) + " ms");
   }
-  const BackendConfig config = detail::config_of(backend, "new_group");
+  std::optional<BackendConfig> config;
+  try {
+    config.emplace(detail::config_of(backend, "new_group"));
+  } catch (...) {
+    // Every process fails alike here, before any split: a non-member just is not in the group.
+    if (!member) return ProcessGroup::non_member();
+    throw;
+  }
   const int group_rank =
-      static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), my_rank) - ranks.begin());
+      member
+          ? static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), my_rank) - ranks.begin())
+          : -1;
+  auto made = parent ? detail::split_from(*parent, *config, ranks, group_rank, timeout)
+                     : std::map<std::string, std::shared_ptr<Backend>>{};
+  if (!member) return ProcessGroup::non_member();
   const int size = static_cast<int>(ranks.size());
   auto group_store =
       std::make_shared<store::PrefixStore>(detail::prefix_of(generation, name), std::move(store));
-  auto pg =
-      std::make_shared<ProcessGroup>(group_store, group_rank, size, config, timeout, name, ranks);
+  auto pg = std::make_shared<ProcessGroup>(group_store, group_rank, size, *config, timeout, name,
+                                           ranks, std::move(made));
   store::store_based_barrier(*group_store, group_rank, size, "new_group", timeout);
   std::lock_guard<std::mutex> lock(w.mu);
   if (!w.default_pg || w.generation != generation) {

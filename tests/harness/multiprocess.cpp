@@ -104,26 +104,33 @@ pid_t spawn_rank(const std::string& case_name, bool is_target, int rank, const R
                                    "--no-intro=true", "--no-version=true"};
   if (is_target) args.push_back("--no-skip=true");
 
-  // The case's own variables (RunOptions::env) replace the inherited ones of the same name:
-  // getenv() returns the first entry, so a duplicate would be ignored.
-  auto overridden = [&opts](std::string_view kv) {
-    const std::string_view name = kv.substr(0, kv.find('='));
-    for (const auto& e : opts.env) {
-      if (std::string_view(e).substr(0, e.find('=')) == name) return true;
+  // The case's own variables (RunOptions::env, then this rank's RunOptions::rank_env) replace
+  // the inherited ones and each other by name: getenv() returns the first entry, so a duplicate
+  // would be ignored.
+  std::vector<std::string> own = opts.env;
+  if (const auto it = opts.rank_env.find(rank); it != opts.rank_env.end()) {
+    own.insert(own.end(), it->second.begin(), it->second.end());
+  }
+  const auto name_of = [](std::string_view kv) { return kv.substr(0, kv.find('=')); };
+  auto overridden = [&](std::string_view kv, std::size_t from) {
+    for (std::size_t i = from; i < own.size(); ++i) {
+      if (name_of(own[i]) == name_of(kv)) return true;
     }
     return false;
   };
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
     std::string_view kv(*e);
-    if (kv.starts_with("DISTRPC_MP_") || overridden(kv)) continue;
+    if (kv.starts_with("DISTRPC_MP_") || overridden(kv, 0)) continue;
     env.emplace_back(kv);
   }
   env.push_back(env_entry(kEnvCase, case_name));
   env.push_back(env_entry(kEnvRank, std::to_string(rank)));
   env.push_back(env_entry(kEnvWorld, std::to_string(opts.world)));
   env.push_back(env_entry(kEnvDir, dir));
-  for (const auto& e : opts.env) env.push_back(e);
+  for (std::size_t i = 0; i < own.size(); ++i) {
+    if (!overridden(own[i], i + 1)) env.push_back(own[i]);
+  }
 
   std::vector<char*> argv, envp;
   for (auto& a : args) argv.push_back(a.data());

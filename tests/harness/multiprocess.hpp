@@ -12,6 +12,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -53,6 +54,8 @@ struct RunOptions {
   std::chrono::milliseconds grace_after_failure{std::chrono::seconds(5)};
   // Extra environment variables for every rank, "NAME=value".
   std::vector<std::string> env;
+  // And for one rank (by rank), over those of `env`.
+  std::map<int, std::vector<std::string>> rank_env;
 };
 
 struct RunResult {

@@ -13,7 +13,8 @@ layer_of() {
       distrpc/options.hpp | distrpc/bounded_thread.hpp | distrpc/thread_pool.hpp | \
       distrpc/function_id.hpp | distrpc/function_ref.hpp | distrpc/log.hpp | \
       distrpc/log_c10.hpp | distrpc/tls_options.hpp | distrpc/device_map.hpp | \
-      distrpc/torch_compat.hpp | distrpc/device_future.hpp | distrpc/entry_gate.hpp) echo 0 ;; # values
+      distrpc/torch_compat.hpp | distrpc/device_future.hpp | distrpc/entry_gate.hpp | \
+      distrpc/cuda_device_scope.hpp | distrpc/cuda_event_poll.hpp) echo 0 ;; # values
     distrpc/net/* | distrpc/launch.hpp) echo 1 ;;                             # net (OS helpers)
     distrpc/wire.hpp | distrpc/wire/*) echo 2 ;;                              # wire
     distrpc/store.hpp | distrpc/store/*) echo 3 ;;                            # store

@@ -99,6 +99,20 @@ class Backend {
   // The backend's name as registered ("distrpc", "gloo").
   virtual std::string name() const = 0;
 
+  // Subgroups made from this group's communicator (NCCL's ncclCommSplit) rather than from
+  // scratch: a backend that can says so here, and new_group then has every process of this group
+  // call split(), members of the new group or not, in the same order (only when every process
+  // calls new_group: NewGroupOptions::use_local_synchronization false, PyTorch's rule).
+  virtual bool can_split() const noexcept { return false; }
+  // Collective over this backend's group: the members `ranks` (ranks in this group, ascending)
+  // form a new group in which this member's rank is `new_rank`, or -1 when it is not a member
+  // (it then gets null). timeout: the new group's default per operation.
+  virtual std::shared_ptr<Backend> split(const std::vector<int>& ranks, int new_rank,
+                                         std::chrono::milliseconds timeout) {
+    (void)ranks, (void)new_rank, (void)timeout;
+    throw std::logic_error("Backend " + name() + " cannot split its group");
+  }
+
   // The number of collectives this member has issued: equal on every member between calls, since
   // all issue the same ones (PyTorch's sequence number). Point-to-point calls take none (their
   // Works' sequence_number() is -1): members send and receive different counts.

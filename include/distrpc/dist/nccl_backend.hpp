@@ -66,6 +66,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -84,6 +85,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <distrpc/bounded_thread.hpp>
+#include <distrpc/cuda_device_scope.hpp>
+#include <distrpc/cuda_event_poll.hpp>
 #include <distrpc/dist/backend.hpp>
 #include <distrpc/dist/backend_config.hpp>
 #include <distrpc/dist/reduce_op.hpp>
@@ -155,26 +158,60 @@ class NcclBackend : public Backend {
                                   " does not exist here (" + std::to_string(count) +
                                   " CUDA device(s))");
     }
-    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    take_device(index);  // a libtorch that cannot name its stream fails here, before the meeting
     const c10::DeviceGuard on_device(device_);
-    stream_ = cuda().getStreamFromGlobalPool(device_);
-    ready_.emplace(c10::kCUDA);
-    (void)native(stream_);  // a libtorch that cannot name it fails here, before the group meets
-    comm_ = join(*store, rank, size, timeout);
-    try {
-      state_ = std::make_shared<State>();
-      completer_ = std::thread([this] { complete_loop(); });
-    } catch (...) {
-      // No destructor runs for a constructor that throws: the communicator goes here.
-      (void)ncclCommAbort(comm_);
-      throw;
-    }
+    start(join(*store, rank, size, timeout));
   }
 
   ~NcclBackend() override { shutdown(); }
 
   std::string name() const override { return "nccl"; }
   const c10::Device& device() const noexcept { return device_; }
+
+  // new_group's subgroups come from this communicator (ncclCommSplit, NCCL 2.18 and later):
+  // every process of this group takes part, and no store meeting is needed.
+  bool can_split() const noexcept override { return NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0); }
+  // Collective over this group (every member calls it, in the same order): a member of `ranks`
+  // gets a backend of the new group on this backend's GPU, others null. Ordered with this
+  // communicator's operations; like ncclCommSplit itself, it waits for every member without a
+  // timeout of its own (new_group's rule: every process calls it).
+  std::shared_ptr<Backend> split(const std::vector<int>& ranks, int new_rank,
+                                 std::chrono::milliseconds timeout) override {
+    if (new_rank < -1 || new_rank >= static_cast<int>(ranks.size()) ||
+        (new_rank >= 0 && ranks[static_cast<std::size_t>(new_rank)] != rank())) {
+      throw std::invalid_argument("NcclBackend::split: rank " + std::to_string(new_rank) +
+                                  " of a new group of " + std::to_string(ranks.size()) +
+                                  " is not this member (rank " + std::to_string(rank()) + ")");
+    }
+    ncclComm_t sub = nullptr;
+    {
+      std::lock_guard lk(issue_mu_);
+      if (!comm_ || state_->stopping) throw DistBackendError("NcclBackend: shut down");
+      if (aborted_) throw DistBackendError(abort_text_);
+      const c10::DeviceGuard on_device(device_);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      const ncclResult_t r = ncclCommSplit(comm_, new_rank >= 0 ? 0 : NCCL_SPLIT_NOCOLOR,
+                                           new_rank >= 0 ? new_rank : 0, &sub, &config);
+      if (r != ncclSuccess) throw DistBackendError(nccl_error("ncclCommSplit", r));
+#else
+      throw std::logic_error("NcclBackend::split: NCCL " + std::to_string(NCCL_VERSION_CODE) +
+                             " has no ncclCommSplit (2.18 and later)");
+#endif
+      ++splits_;
+    }
+    if (new_rank < 0) return nullptr;
+    return std::shared_ptr<NcclBackend>(new NcclBackend(
+        FromSplit{}, sub, new_rank, static_cast<int>(ranks.size()), timeout, device_.index()));
+  }
+  // How many times this backend's communicator was split (new_group), for tests.
+  std::uint64_t splits() const noexcept {
+    return splits_.load();
+  }
+  // Whether this backend's communicator came from a split of another's.
+  bool made_by_split() const noexcept {
+    return made_by_split_;
+  }
 
   std::shared_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                   const BroadcastOptions& opts = {}) override {
@@ -501,28 +538,6 @@ class NcclBackend : public Backend {
     std::uint64_t id;
   };
 
-  // Makes `device` current on this thread for its lifetime, so that CUDA calls on an event of
-  // that device never start a context on another one.
-  class OnDevice {
-   public:
-    explicit OnDevice(int device) : changed_(cudaGetDevice(&saved_) == cudaSuccess) {
-      if (changed_ && saved_ != device) {
-        changed_ = cudaSetDevice(device) == cudaSuccess;
-      } else {
-        changed_ = false;
-      }
-    }
-    ~OnDevice() {
-      if (changed_) (void)cudaSetDevice(saved_);
-    }
-    OnDevice(const OnDevice&) = delete;
-    OnDevice& operator=(const OnDevice&) = delete;
-
-   private:
-    int saved_ = 0;
-    bool changed_;
-  };
-
   // A Work whose waiters watch the GPU themselves: an event recorded behind the operation, which
   // a waiting thread polls (it is the work's WaitDriver). Once the event is reached the waiter
   // completes the work, so a wait returns as soon as the GPU is done rather than after the host
@@ -536,7 +551,7 @@ class NcclBackend : public Backend {
         : Work(std::move(op), seq), state_(std::move(state)), id_(id), device_(device) {}
     ~NcclWork() override {
       if (end_ == nullptr) return;
-      const OnDevice on(device_);
+      const CudaDeviceScope on(device_);  // events are of that device
       (void)cudaEventDestroy(end_);
     }
 
@@ -558,17 +573,11 @@ class NcclBackend : public Backend {
     // backend's thread, so that a hung one does not keep a core busy.
     void drive_wait(const std::function<bool()>& done, Clock::time_point until) override {
       const auto stop = std::min(until, Clock::now() + kWaiterPoll);
-      const OnDevice on(device_);
-      while (!done()) {
-        const cudaError_t e = cudaEventQuery(end_);
-        if (e == cudaSuccess) return claim();
-        if (e != cudaErrorNotReady) {
-          (void)cudaGetLastError();  // the watchdog reports what went wrong
-          return;
-        }
-        if (Clock::now() >= stop) return;
-        std::this_thread::yield();
-      }
+      const CudaDeviceScope on(device_);  // events are of that device
+      if (done()) return;
+      // Yielding throughout (kWaiterPoll bounds it); an error is the watchdog's to report.
+      const auto go_on = [&] { return !done() && Clock::now() < stop; };
+      if (poll_event(end_, go_on, std::numeric_limits<int>::max()) == cudaSuccess) claim();
     }
 
    private:
@@ -760,6 +769,44 @@ class NcclBackend : public Backend {
                         cudaStream_t s) {
     const ncclResult_t res = ncclSend(out.data_ptr(), count(out), type, r, comm_, s);
     return res != ncclSuccess ? res : ncclRecv(in.data_ptr(), count(in), type, r, comm_, s);
+  }
+
+  struct FromSplit {};
+  // A backend over `comm`, a communicator split from another backend's on GPU `index`.
+  NcclBackend(FromSplit, ncclComm_t comm, int rank, int size, std::chrono::milliseconds timeout,
+              int index)
+      : Backend(rank, size, timeout), made_by_split_(true) {
+    try {
+      take_device(index);
+    } catch (...) {
+      (void)ncclCommAbort(comm);
+      throw;
+    }
+    const c10::DeviceGuard on_device(device_);
+    start(comm);
+  }
+
+  // On GPU `index`: the stream operations run on, and the event that orders it after the
+  // caller's. Throws when this libtorch cannot name a CUDA stream's handle.
+  void take_device(int index) {
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    const c10::DeviceGuard on_device(device_);
+    stream_ = cuda().getStreamFromGlobalPool(device_);
+    ready_.emplace(c10::kCUDA);
+    (void)native(stream_);
+  }
+
+  // Runs the backend over `comm`: its thread, which completes Works and watches their time.
+  void start(ncclComm_t comm) {
+    comm_ = comm;
+    try {
+      state_ = std::make_shared<State>();
+      completer_ = std::thread([this] { complete_loop(); });
+    } catch (...) {
+      // No destructor runs for a constructor that throws: the communicator goes here.
+      (void)ncclCommAbort(comm_);
+      throw;
+    }
   }
 
   // The CUDA stream behind a c10 stream (compat::native_stream).
@@ -1009,6 +1056,8 @@ class NcclBackend : public Backend {
   std::string abort_text_;    // set before aborted_
   std::uint64_t issued_ = 0;  // under issue_mu_
   std::shared_ptr<State> state_;
+  std::atomic<std::uint64_t> splits_{0};
+  const bool made_by_split_ = false;
   std::thread completer_;
 };
 

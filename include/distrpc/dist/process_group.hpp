@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -112,10 +113,13 @@ class ProcessGroup {
   // rank/size: this member's rank in the group and the group's size; config: which backend serves
   // which device type (one backend object per distinct backend name, as PyTorch builds them, so
   // "gloo" = "cpu:gloo,cuda:gloo" makes one); timeout: the backends' default per operation;
-  // global_ranks: the group's members by their rank in the world, ascending (empty: 0..size-1).
+  // global_ranks: the group's members by their rank in the world, ascending (empty: 0..size-1);
+  // made: backends made already, by backend name (new_group's splits), used instead of making
+  // those.
   ProcessGroup(std::shared_ptr<store::PrefixStore> store, int rank, int size,
                const BackendConfig& config, std::chrono::milliseconds timeout,
-               std::string group_name = "default_pg", std::vector<int> global_ranks = {})
+               std::string group_name = "default_pg", std::vector<int> global_ranks = {},
+               std::map<std::string, std::shared_ptr<Backend>> made = {})
       : store_(std::move(store)),
         rank_(rank),
         size_(size),
@@ -155,7 +159,7 @@ class ProcessGroup {
       throw std::invalid_argument("ProcessGroup: backend config '" + config_->to_string() +
                                   "' names no backend available in this process");
     }
-    make_backends();
+    make_backends(std::move(made));
   }
 
   ProcessGroup(const ProcessGroup&) = delete;
@@ -466,9 +470,9 @@ class ProcessGroup {
     return out + "]";
   }
 
-  void make_backends() {
+  void make_backends(std::map<std::string, std::shared_ptr<Backend>> given) {
     // One object per distinct backend name, created with the store view of the first device it
-    // serves (PyTorch's layout: "<group prefix>/<device>/...").
+    // serves (PyTorch's layout: "<group prefix>/<device>/..."), unless one was given.
     std::vector<std::pair<std::string, std::shared_ptr<Backend>>> made;
     for (const auto& [device, name] : config_->device_backend_map()) {
       std::shared_ptr<Backend> b;
@@ -476,8 +480,12 @@ class ProcessGroup {
         if (n == name) b = existing;
       }
       if (!b) {
-        BackendCreator create = backend_creator(name);
-        b = create(std::make_shared<store::PrefixStore>(device, store_), rank_, size_, timeout_);
+        if (const auto it = given.find(name); it != given.end()) {
+          b = it->second;
+        } else {
+          BackendCreator create = backend_creator(name);
+          b = create(std::make_shared<store::PrefixStore>(device, store_), rank_, size_, timeout_);
+        }
         if (!b) {
           throw std::invalid_argument("ProcessGroup: the creator of backend '" + name +
                                       "' returned no backend");

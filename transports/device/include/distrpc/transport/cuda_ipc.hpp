@@ -49,6 +49,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "distrpc/cuda_device_scope.hpp"
+#include "distrpc/cuda_event_poll.hpp"
 #include "distrpc/error.hpp"
 #include "distrpc/net/env_number.hpp"
 #include "distrpc/torch_compat.hpp"
@@ -58,10 +60,11 @@ namespace distrpc::transport {
 
 namespace detail {
 
-inline void cuda_check(cudaError_t e, const char* what) {
+// Throws DistNetworkError "<who>: <what> failed: <CUDA's text>" for an error.
+inline void cuda_check(cudaError_t e, const char* what, const char* who = "cuda_ipc") {
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
-    throw DistNetworkError(std::string("cuda_ipc: ") + what + " failed: " + cudaGetErrorString(e));
+    throw DistNetworkError(std::string(who) + ": " + what + " failed: " + cudaGetErrorString(e));
   }
 }
 
@@ -70,22 +73,6 @@ inline cudaStream_t native(const c10::Stream& s) {
   if (const auto h = compat::native_stream(s)) return static_cast<cudaStream_t>(*h);
   throw DistNetworkError("cuda_ipc: this libtorch cannot name a CUDA stream's handle");
 }
-
-// Makes `device` current on the calling thread (its primary context too, which the driver calls
-// below need) and restores the previous device on exit.
-class CudaDeviceScope {
- public:
-  explicit CudaDeviceScope(int device) {
-    cuda_check(cudaGetDevice(&saved_), "cudaGetDevice");
-    cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~CudaDeviceScope() { (void)cudaSetDevice(saved_); }
-  CudaDeviceScope(const CudaDeviceScope&) = delete;
-  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
-
- private:
-  int saved_ = 0;
-};
 
 // The allocation that holds `p` (base, size): the driver's cuMemGetAddressRange, reached through
 // libcuda itself (the runtime API has no equivalent, and libcuda is loaded wherever a GPU is).
@@ -294,6 +281,19 @@ class CudaIpcChannel {
   }
   bool carries(const at::Tensor& buffer) const { return buffer.is_cuda(); }
 
+  // Whether worker `peer` sees GPU `device` of this process (known once connect() ran): a buffer
+  // there can go to it through this channel.
+  bool sees(int peer, int device) {
+    char bus[32] = {};
+    if (cudaDeviceGetPCIBusId(bus, sizeof bus, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    const auto it = peer_gpus_.find(peer);
+    return it != peer_gpus_.end() && it->second.count(normalized(bus)) != 0;
+  }
+
   // Lends a snapshot: a copy made on the current stream, so that the caller may change the
   // tensor as soon as the call returns (the value semantics of every other policy). The copy is
   // on the same GPU, queued behind the tensor's producer, into a slab when one is free or can be
@@ -301,7 +301,7 @@ class CudaIpcChannel {
   // it, not for the whole device.
   ChannelExport export_buffer(int peer, const at::Tensor& buffer) {
     const int device = buffer.device().index();
-    detail::CudaDeviceScope on(device);
+    const CudaDeviceScope on(device, "cuda_ipc");
     detail::IpcDescriptor d;
     detail::cuda_check(cudaDeviceGetPCIBusId(d.bus_id, sizeof d.bus_id, device),
                        "cudaDeviceGetPCIBusId");
@@ -361,7 +361,7 @@ class CudaIpcChannel {
     d.bus_id[sizeof d.bus_id - 1] = '\0';
     int device = 0;
     detail::cuda_check(cudaDeviceGetByPCIBusId(&device, d.bus_id), "cudaDeviceGetByPCIBusId");
-    detail::CudaDeviceScope on(device);
+    const CudaDeviceScope on(device, "cuda_ipc");
     Opened& opened = opened_for(peer);
     // A slab stays mapped while the sender is known (kept in `opened`); any other allocation is
     // closed on every way out, on this device, once nothing queued can still read it.
@@ -556,17 +556,10 @@ class CudaIpcChannel {
 
   // Until `copied` is reached (not the whole stream: work queued on it later is not waited for).
   void wait(cudaEvent_t copied) const {
-    for (int spins = 0;; ++spins) {
-      const cudaError_t e = cudaEventQuery(copied);
-      if (e == cudaSuccess) return;
-      if (e != cudaErrorNotReady) detail::cuda_check(e, "cudaEventQuery");
-      if (stopping_) throw DistNetworkError("cuda_ipc: stopped while waiting for a copy");
-      if (spins < 1000) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-    }
+    const cudaError_t e = poll_event(copied, [&] { return !stopping_.load(); });
+    if (e == cudaErrorNotReady)
+      throw DistNetworkError("cuda_ipc: stopped while waiting for a copy");
+    detail::cuda_check(e, "cudaEventQuery");
   }
 
   // The stream this receiver copies on, one per device, taken from the pool once and kept: the

@@ -18,8 +18,9 @@
 // On receipt a `Transfer` goes to this Context's receiving thread, never handled on T's reading
 // thread: it imports each buffer (the channel copies the bytes into memory of its own on the
 // receiver's side, after the producer's event), puts the original message back together, hands it
-// to the agent, and sends a `Release` naming the loan back. A peer's messages keep their order:
-// while a Transfer from a peer is queued, that peer's other messages queue behind it.
+// to the agent, and sends a `Release` naming the loan back (and whether every buffer came in). A
+// peer's messages keep their order: while a Transfer from a peer is queued, that peer's other
+// messages queue behind it.
 //
 // Failures: a descriptor the channel cannot import (a CUDA error) leaves that buffer empty and is
 // logged; the message still reaches the agent, whose decoder then fails the call at once (nothing
@@ -56,6 +57,20 @@
 //                                             holding the bytes, ready to read
 //   void forget(int peer);                    on the receiving thread: the peer is gone
 //   void stop();                              optional: give up waits inside import_buffer
+//   void peer_lost(int peer);                 optional, must not block: on T's thread as soon
+//                                             as the peer is lost (forget() comes later, behind
+//                                             its queued messages): give up waits for it
+//   static constexpr bool ordered_exports;    optional, true: the receiver must import a
+//                                             peer's buffers in the order they were exported
+//                                             (exports to one peer and the sends of their
+//                                             Transfers then take one lock per peer)
+//   void unsent(const std::shared_ptr<void>& keep);
+//                                             optional: `keep` was exported but its Transfer
+//                                             could not be sent, so no import will match it
+//   void refused(const std::shared_ptr<void>& keep);
+//                                             optional: the receiver's Release says some
+//                                             buffers of the loan `keep` came with could not be
+//                                             imported (it may not have read this one)
 //   void retire(const std::shared_ptr<void>& keep);
 //                                             optional, must not block: the loan `keep` came
 //                                             with ends without its receiver's Release (the
@@ -66,6 +81,7 @@
 #pragma once
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -122,7 +138,8 @@ namespace detail {
 inline constexpr wire::MessageType kTransfer = wire::transport_message_type(0);
 inline constexpr wire::MessageType kRelease = wire::transport_message_type(1);
 
-// The last buffer of a Transfer (native byte order: the channel only reaches peers on this host):
+// The last buffer of a Transfer, in the host's byte order: a device channel reaches hosts with
+// GPUs, and every platform CUDA runs on is little-endian (static_assert below):
 //   u8 version | u8 original kind | u32 count | u64 loan id |
 //   count x { u32 buffer index | i64 nbytes | u32 descriptor length | descriptor }
 struct TransferEntry {
@@ -136,6 +153,8 @@ struct TransferHeader {
   std::vector<TransferEntry> entries;
 };
 inline constexpr std::uint8_t kTransferVersion = 1;
+static_assert(std::endian::native == std::endian::little,
+              "DeviceDirect's Transfer header is written in the host's byte order");
 
 template <class V>
 void put_raw(std::string& out, V v) {
@@ -221,6 +240,8 @@ inline TransferHeader decode_transfer_header(const at::Tensor& b, std::size_t bu
 }
 
 inline constexpr std::string_view kAddressMark = "#device-channel:";
+// A Release's payload when some buffers of its Transfer could not be imported (empty otherwise).
+inline constexpr std::string_view kReleaseFailed = "F";
 
 }  // namespace detail
 
@@ -272,7 +293,7 @@ struct DeviceDirect {
       inner_->add_peer(id, peer_name,
                        mark == std::string::npos ? address : address.substr(0, mark));
       std::map<std::uint64_t, Loan> returned;
-      std::vector<std::uint64_t> releases;
+      std::vector<UnsentRelease> releases;
       {
         std::lock_guard<std::mutex> lk(mu_);
         reached_[id] = reached;
@@ -287,7 +308,7 @@ struct DeviceDirect {
         }
       }
       for (auto& [loan, l] : returned) retire(l);
-      for (const auto loan : releases) send_release(id, loan);
+      for (const auto& r : releases) send_release(id, r.loan, r.failed);
     }
 
     // See the top of this file.
@@ -310,45 +331,69 @@ struct DeviceDirect {
         inner_->send(peer, std::move(m));
         return;
       }
+      // A channel whose receiver must import in the order its sender exported (NCCL: a receive
+      // matches the peer's sends in order) gets its exports to a peer, and T's sends of their
+      // Transfers, in one order.
+      std::unique_lock<std::mutex> in_order;
+      if constexpr (kOrdered) in_order = std::unique_lock<std::mutex>(order_of(peer));
       detail::TransferHeader h;
       h.kind = m.type;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        h.loan = ++next_loan_;
+      }
       Loan loan;
       std::uint64_t staged = 0;
-      for (const auto i : on_device) {
-        at::Tensor& b = m.buffers[i];
-        ChannelExport e;
-        try {
-          e = channel_.export_buffer(peer, b);
-        } catch (const std::exception&) {
-          // Memory the channel cannot share with that peer (a GPU it does not see, memory not
-          // from a plain device allocation): this buffer goes the way every policy sends it.
-          b = b.cpu();
-          ++staged;
-          continue;
+      // Once something is exported, any way out without the Transfer sent tells the channel
+      // (see `unsent` at the top): the receiver will never hear of those buffers.
+      const auto not_sent = [&](const std::vector<std::shared_ptr<void>>& keeps) {
+        if constexpr (requires(std::shared_ptr<void> k) { channel_.unsent(k); }) {
+          for (const auto& k : keeps) channel_.unsent(k);
         }
-        h.entries.push_back({i, b.numel(), std::move(e.descriptor)});
-        loan.buffers.push_back(std::move(b));
-        loan.keep.push_back(std::move(e.keep));
-        b = at::empty({0}, at::kByte);
+      };
+      try {
+        for (const auto i : on_device) {
+          at::Tensor& b = m.buffers[i];
+          ChannelExport e;
+          try {
+            e = channel_.export_buffer(peer, b);
+          } catch (const std::exception&) {
+            // Memory the channel cannot share with that peer (a GPU it does not see, memory
+            // not from a plain device allocation): this buffer goes the way every policy sends
+            // it.
+            b = b.cpu();
+            ++staged;
+            continue;
+          }
+          loan.keep.push_back(std::move(e.keep));
+          h.entries.push_back({i, b.numel(), std::move(e.descriptor)});
+          loan.buffers.push_back(std::move(b));
+          b = at::empty({0}, at::kByte);
+        }
+        if (!h.entries.empty()) m.buffers.push_back(detail::encode_transfer_header(h));
+      } catch (...) {
+        not_sent(loan.keep);
+        throw;
       }
       if (h.entries.empty()) {
         count(&DeviceDirectStats::staged, staged);
         inner_->send(peer, std::move(m));
         return;
       }
+      std::vector<std::shared_ptr<void>> keeps;
+      if constexpr (requires(std::shared_ptr<void> k) { channel_.unsent(k); }) keeps = loan.keep;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        h.loan = ++next_loan_;
         loans_[peer].emplace(h.loan, std::move(loan));
         stats_.exported += h.entries.size();
         stats_.staged += staged;
         ++stats_.lent;
       }
-      m.buffers.push_back(detail::encode_transfer_header(h));
       m.type = detail::kTransfer;
       try {
         inner_->send(peer, std::move(m));
       } catch (...) {
+        not_sent(keeps);
         return_loan(peer, h.loan, /*released=*/false);
         throw;
       }
@@ -446,12 +491,32 @@ struct DeviceDirect {
       Loan loan;
       Clock::time_point since;
     };
+    struct UnsentRelease {
+      std::uint64_t loan;
+      bool failed;
+    };
     // One entry of the receiving thread's queue: a message, or the loss of its peer.
     struct Item {
       int peer;
       wire::Message message;
       std::optional<std::string> lost;
     };
+
+    static constexpr bool kOrdered = [] {
+      if constexpr (requires { Channel::ordered_exports; }) {
+        return static_cast<bool>(Channel::ordered_exports);
+      } else {
+        return false;
+      }
+    }();
+
+    // The lock that orders exports to `peer` (kOrdered); never erased, so the reference lasts.
+    std::mutex& order_of(int peer) {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto& m = order_[peer];
+      if (!m) m = std::make_unique<std::mutex>();
+      return *m;
+    }
 
     bool over_limit(const wire::Message& m) const {
       if (max_bytes_ <= 0) return false;
@@ -468,7 +533,7 @@ struct DeviceDirect {
     // On T's reading thread: never imports here, only queues (see the top of this file).
     void received(int peer, wire::Message&& m) {
       if (m.type == detail::kRelease) {
-        return_loan(peer, m.id, /*released=*/true);
+        return_loan(peer, m.id, /*released=*/true, /*refused=*/!m.payload.empty());
         return;
       }
       {
@@ -485,6 +550,8 @@ struct DeviceDirect {
     // The loss goes through the receiving thread, behind the peer's queued messages: the channel
     // forgets the peer there, where no import from it can be running.
     void lost(int peer, const std::string& why) {
+      // At once, not behind the queue: an import from that peer may be waiting for it.
+      if constexpr (requires { channel_.peer_lost(peer); }) channel_.peer_lost(peer);
       std::lock_guard<std::mutex> lk(mu_);
       if (stopping_) return;
       lost_at_[peer] = Clock::now();
@@ -521,25 +588,35 @@ struct DeviceDirect {
       }
     }
 
-    void return_loan(int peer, std::uint64_t id, bool released) {
+    // `refused`: the receiver's Release says it could not import some of the loan's buffers;
+    // the channel hears of it (see `refused` at the top), outside the lock.
+    void return_loan(int peer, std::uint64_t id, bool released, bool refused = false) {
       Loan gone;
-      std::lock_guard<std::mutex> lk(mu_);
-      if (const auto it = loans_.find(peer); it != loans_.end()) {
-        if (const auto loan = it->second.find(id); loan != it->second.end()) {
-          gone = std::move(loan->second);
-          it->second.erase(loan);
-          --stats_.lent;
-          if (released) ++stats_.released;
-          cv_.notify_all();
-          return;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (const auto it = loans_.find(peer); it != loans_.end()) {
+          if (const auto loan = it->second.find(id); loan != it->second.end()) {
+            gone = std::move(loan->second);
+            it->second.erase(loan);
+            --stats_.lent;
+            if (released) ++stats_.released;
+            cv_.notify_all();
+          }
+        }
+        // A Release for a loan orphaned meanwhile (T reconnected): it is back as well.
+        if (gone.keep.empty() && released) {
+          if (const auto it = orphaned_.find(peer); it != orphaned_.end()) {
+            if (const auto loan = it->second.find(id); loan != it->second.end()) {
+              gone = std::move(loan->second.loan);
+              it->second.erase(loan);
+              ++stats_.released;
+            }
+          }
         }
       }
-      // A Release for a loan orphaned meanwhile (T reconnected): it is back as well.
-      if (const auto it = orphaned_.find(peer); it != orphaned_.end() && released) {
-        if (const auto loan = it->second.find(id); loan != it->second.end()) {
-          gone = std::move(loan->second.loan);
-          it->second.erase(loan);
-          ++stats_.released;
+      if constexpr (requires(std::shared_ptr<void> k) { channel_.refused(k); }) {
+        if (refused) {
+          for (const auto& k : gone.keep) channel_.refused(k);
         }
       }
     }
@@ -610,17 +687,21 @@ struct DeviceDirect {
       return out;
     }
 
-    void send_release(int peer, std::uint64_t loan) {
+    // `failed`: some of the loan's buffers could not be imported (the payload says so).
+    void send_release(int peer, std::uint64_t loan, bool failed = false) {
       wire::Message release;
       release.type = detail::kRelease;
       release.id = loan;
+      if (failed) release.payload = detail::kReleaseFailed;
       try {
         inner_->send(peer, std::move(release));
       } catch (const std::exception&) {
         // Not registered here yet (add_peer sends it), or gone (its loans are orphaned on its
         // side), or we are stopping.
         std::lock_guard<std::mutex> lk(mu_);
-        if (!stopping_ && lost_at_.count(peer) == 0) unsent_releases_[peer].push_back(loan);
+        if (!stopping_ && lost_at_.count(peer) == 0) {
+          unsent_releases_[peer].push_back({loan, failed});
+        }
       }
     }
 
@@ -670,7 +751,7 @@ struct DeviceDirect {
         stats_.failed += failed;
       }
       // Released before the agent runs anything: the copies are ours now.
-      send_release(peer, h.loan);
+      send_release(peer, h.loan, failed > 0);
       up_.on_message(peer, std::move(m));
     }
 
@@ -699,7 +780,8 @@ struct DeviceDirect {
     std::map<int, std::map<std::uint64_t, Loan>> loans_;         // per peer, by loan id
     std::map<int, std::map<std::uint64_t, Orphan>> orphaned_;    // of lost peers (see the top)
     std::map<int, Clock::time_point> lost_at_;                   // peers lost, not registered again
-    std::map<int, std::vector<std::uint64_t>> unsent_releases_;  // to peers not registered yet
+    std::map<int, std::vector<UnsentRelease>> unsent_releases_;  // to peers not registered yet
+    std::map<int, std::unique_ptr<std::mutex>> order_;           // per peer (kOrdered)
     std::uint64_t next_loan_ = 0;
     DeviceDirectStats stats_;
     bool stopping_ = false;
