@@ -247,7 +247,11 @@ DISTRPC_MP_TEST("nccl backend: new_group splits the default group's communicator
   namespace dist = distrpc::dist;
   auto parent = std::dynamic_pointer_cast<NcclBackend>(dist::get_default_group()->backend("cuda"));
   REQUIRE(parent);
-  CHECK(parent->can_split());
+  if (!parent->can_split()) {
+    MESSAGE("skipped: NCCL " << NCCL_VERSION_CODE << " has no ncclCommSplit (2.18 and later)");
+    dist::destroy_process_group();
+    return;
+  }
   CHECK(parent->splits() == 0);
   auto sub = dist::new_group({0});
   REQUIRE(sub);

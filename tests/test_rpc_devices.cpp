@@ -708,8 +708,24 @@ TEST_CASE("devices: Nccl<Tcp> with a GPU per process goes over NCCL (needs 2 GPU
   o.world = 2;
   o.limit = std::chrono::seconds(120);
   o.env = {"DISTRPC_TEST_SPLIT_GPUS=1"};
-  o.rank_env[0] = {"CUDA_VISIBLE_DEVICES=0"};
-  o.rank_env[1] = {"CUDA_VISIBLE_DEVICES=1"};
+  // The first two GPUs of this job's own list, when it has one.
+  std::vector<std::string> visible{"0", "1"};
+  if (const char* list = std::getenv("CUDA_VISIBLE_DEVICES"); list != nullptr && *list != '\0') {
+    std::vector<std::string> mine;
+    std::string item;
+    for (const char* c = list;; ++c) {
+      if (*c == ',' || *c == '\0') {
+        if (!item.empty()) mine.push_back(item);
+        item.clear();
+        if (*c == '\0') break;
+      } else {
+        item += *c;
+      }
+    }
+    if (mine.size() >= 2) visible = {mine[0], mine[1]};
+  }
+  o.rank_env[0] = {"CUDA_VISIBLE_DEVICES=" + visible[0]};
+  o.rank_env[1] = {"CUDA_VISIBLE_DEVICES=" + visible[1]};
   auto r =
       distrpc::testing::run_ranks("devices target: Nccl<Tcp> moves CUDA tensors GPU to GPU", o);
   CHECK_MESSAGE(r.ok, r.report());

@@ -75,7 +75,9 @@ struct NewGroupOptions {
   std::string backend{};                              // "": the default group's backend string
   // true: only members need to call new_group, and non-members get null. false (PyTorch's
   // default): every process calls new_group for every group in the same order, and non-members
-  // get ProcessGroup::non_member(). Either way only the members meet.
+  // get ProcessGroup::non_member(). Either way only the members meet through the store; without
+  // local synchronization, a backend that splits its communicator (Backend::can_split, the nccl
+  // backend) has every process of the default group take part in the split, members or not.
   bool use_local_synchronization = false;
 };
 
@@ -273,9 +275,10 @@ inline std::map<std::string, std::shared_ptr<Backend>> split_from(
   std::map<std::string, std::shared_ptr<Backend>> out;
   std::set<std::string> seen;
   for (const auto& [device, name] : config.device_backend_map()) {
-    if (!seen.insert(name).second || !parent.has_backend(device)) continue;
+    if (seen.count(name) != 0 || !parent.has_backend(device)) continue;
     const std::shared_ptr<Backend> b = parent.backend(device);
     if (!b->can_split() || lower(parent.backend_config().backend_for(device)) != name) continue;
+    seen.insert(name);
     std::shared_ptr<Backend> mine = b->split(ranks, new_rank, timeout);
     if (new_rank >= 0) out.emplace(name, std::move(mine));
   }
@@ -285,8 +288,9 @@ inline std::map<std::string, std::shared_ptr<Backend>> split_from(
 }  // namespace detail
 
 // A group of the given world ranks (empty: all). Only members meet (in a store-based barrier on
-// the group's own store); see NewGroupOptions for what non-members do and get. Groups with the
-// same members are distinct groups: their names and store prefixes differ.
+// the group's own store), except in a split (see NewGroupOptions); see NewGroupOptions for what
+// non-members do and get. Groups with the same members are distinct groups: their names and store
+// prefixes differ.
 inline std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks = {},
                                                const NewGroupOptions& opts = {}) {
   detail::World& w = detail::world();

@@ -177,13 +177,25 @@ class NcclBackend : public Backend {
   // timeout of its own (new_group's rule: every process calls it).
   std::shared_ptr<Backend> split(const std::vector<int>& ranks, int new_rank,
                                  std::chrono::milliseconds timeout) override {
+    // Everything that can refuse is checked before the collective: a member that left it would
+    // leave the others waiting inside.
     if (new_rank < -1 || new_rank >= static_cast<int>(ranks.size()) ||
         (new_rank >= 0 && ranks[static_cast<std::size_t>(new_rank)] != rank())) {
       throw std::invalid_argument("NcclBackend::split: rank " + std::to_string(new_rank) +
                                   " of a new group of " + std::to_string(ranks.size()) +
                                   " is not this member (rank " + std::to_string(rank()) + ")");
     }
-    ncclComm_t sub = nullptr;
+    if (timeout <= std::chrono::milliseconds::zero()) {
+      throw std::invalid_argument("NcclBackend::split: the timeout must be positive, got " +
+                                  std::to_string(timeout.count()) + " ms");
+    }
+    // Owns the new communicator until a backend does: aborted on every other way out.
+    struct Owned {
+      ncclComm_t comm = nullptr;
+      ~Owned() {
+        if (comm != nullptr) (void)ncclCommAbort(comm);
+      }
+    } sub;
     {
       std::lock_guard lk(issue_mu_);
       if (!comm_ || state_->stopping) throw DistBackendError("NcclBackend: shut down");
@@ -192,7 +204,10 @@ class NcclBackend : public Backend {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       const ncclResult_t r = ncclCommSplit(comm_, new_rank >= 0 ? 0 : NCCL_SPLIT_NOCOLOR,
-                                           new_rank >= 0 ? new_rank : 0, &sub, &config);
+                                           new_rank >= 0 ? new_rank : 0, &sub.comm, &config);
+      // The watchdog may have aborted this communicator meanwhile (a Work past its deadline):
+      // then neither its error text nor the new communicator can be trusted.
+      if (aborted_) throw DistBackendError(abort_text_);
       if (r != ncclSuccess) throw DistBackendError(nccl_error("ncclCommSplit", r));
 #else
       throw std::logic_error("NcclBackend::split: NCCL " + std::to_string(NCCL_VERSION_CODE) +
@@ -201,8 +216,11 @@ class NcclBackend : public Backend {
       ++splits_;
     }
     if (new_rank < 0) return nullptr;
-    return std::shared_ptr<NcclBackend>(new NcclBackend(
-        FromSplit{}, sub, new_rank, static_cast<int>(ranks.size()), timeout, device_.index()));
+    // The constructor takes the communicator over (it aborts it if it fails itself); the
+    // allocation comes first, so a failed one leaves it with `sub`.
+    return std::shared_ptr<NcclBackend>(
+        new NcclBackend(FromSplit{}, std::exchange(sub.comm, nullptr), new_rank,
+                        static_cast<int>(ranks.size()), timeout, device_.index()));
   }
   // How many times this backend's communicator was split (new_group), for tests.
   std::uint64_t splits() const noexcept {
@@ -773,6 +791,8 @@ class NcclBackend : public Backend {
 
   struct FromSplit {};
   // A backend over `comm`, a communicator split from another backend's on GPU `index`.
+  // (Its arguments were checked by split(), so Backend's own checks cannot throw here and leave
+  // `comm` behind.)
   NcclBackend(FromSplit, ncclComm_t comm, int rank, int size, std::chrono::milliseconds timeout,
               int index)
       : Backend(rank, size, timeout), made_by_split_(true) {

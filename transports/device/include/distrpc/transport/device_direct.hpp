@@ -424,10 +424,11 @@ struct DeviceDirect {
       // Transfers dropped unread: their senders may free those buffers now rather than keep them
       // until they notice this worker is gone (kOrphanGrace after). Best effort, while T still
       // runs, and only within the half of the time left that was the loans' (a send may block);
-      // nothing here read their memory.
+      // nothing here read their memory. Marked failed: a channel that pairs sends with
+      // receives learns that none will come for them (see `refused` at the top).
       for (const auto& [peer, loan] : unread) {
         if (Clock::now() >= loans_until) break;
-        send_release(peer, loan);
+        send_release(peer, loan, /*failed=*/true);
       }
       if constexpr (requires { channel_.stop(); }) channel_.stop();
       const std::size_t abandoned = inner_ ? shutdown_until(*inner_, deadline) : 0;
@@ -550,8 +551,14 @@ struct DeviceDirect {
     // The loss goes through the receiving thread, behind the peer's queued messages: the channel
     // forgets the peer there, where no import from it can be running.
     void lost(int peer, const std::string& why) {
-      // At once, not behind the queue: an import from that peer may be waiting for it.
-      if constexpr (requires { channel_.peer_lost(peer); }) channel_.peer_lost(peer);
+      if constexpr (requires { channel_.peer_lost(peer); }) {
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (stopping_) return;
+        }
+        // At once, not behind the queue: an import from that peer may be waiting for it.
+        channel_.peer_lost(peer);
+      }
       std::lock_guard<std::mutex> lk(mu_);
       if (stopping_) return;
       lost_at_[peer] = Clock::now();
@@ -603,13 +610,15 @@ struct DeviceDirect {
             cv_.notify_all();
           }
         }
-        // A Release for a loan orphaned meanwhile (T reconnected): it is back as well.
-        if (gone.keep.empty() && released) {
+        // A Release for a loan orphaned meanwhile (T reconnected): it is back as well. A loan
+        // whose send failed may have been orphaned meanwhile too (its peer's loss was swept
+        // while T was still sending): it ends here, not with the orphans' retirement.
+        if (gone.keep.empty()) {
           if (const auto it = orphaned_.find(peer); it != orphaned_.end()) {
             if (const auto loan = it->second.find(id); loan != it->second.end()) {
               gone = std::move(loan->second.loan);
               it->second.erase(loan);
-              ++stats_.released;
+              if (released) ++stats_.released;
             }
           }
         }
