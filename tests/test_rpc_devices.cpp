@@ -465,16 +465,26 @@ DISTRPC_MP_TARGET(
 }
 
 #ifdef DISTRPC_HAVE_CUDART
-DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)") {
-  using Policy = distrpc::transport::CudaIpc<distrpc::transport::Tcp>;
+// Starts worker ctx.rank on a policy that moves device memory itself, the map {0: 0} towards the
+// other worker (and, with `to_itself`, towards itself on worker 0), and returns its agent, which
+// reaches the other worker through the policy's channel.
+template <class Policy>
+std::shared_ptr<distrpc::Agent<Policy>> init_direct(const distrpc::testing::RankContext& ctx,
+                                                    const char* store, bool to_itself = false) {
   RpcBackendOptions o;
-  o.init_method = distrpc::testing::file_url(ctx, "cuda-ipc");
+  o.init_method = distrpc::testing::file_url(ctx, store);
   o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
-  if (ctx.rank == 0) o.set_device_map("worker0", {{0, 0}});  // calls to itself
+  if (to_itself && ctx.rank == 0) o.set_device_map("worker0", {{0, 0}});
   distrpc::init_rpc<Policy>(wname(ctx.rank), ctx.rank, ctx.world, o);
   auto agent = std::dynamic_pointer_cast<distrpc::Agent<Policy>>(distrpc::detail::current_agent());
   REQUIRE(agent);
   CHECK(agent->context().reaches(1 - ctx.rank));
+  return agent;
+}
+
+DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1 GPU)") {
+  using Policy = distrpc::transport::CudaIpc<distrpc::transport::Tcp>;
+  const auto agent = init_direct<Policy>(ctx, "cuda-ipc", /*to_itself=*/true);
   if (ctx.rank == 0) {
     const c10::Device gpu(c10::kCUDA, 0);
     // Each callee's copy waits for the event recorded on the caller's side stream.
@@ -554,13 +564,7 @@ DISTRPC_MP_TARGET("devices target: CudaIpc<Tcp> moves CUDA tensors GPU to GPU (1
 // every buffer goes over NCCL point-to-point.
 DISTRPC_MP_TARGET("devices target: Nccl<Tcp> moves CUDA tensors GPU to GPU") {
   using Policy = distrpc::transport::Nccl<distrpc::transport::Tcp>;
-  RpcBackendOptions o;
-  o.init_method = distrpc::testing::file_url(ctx, "nccl-policy");
-  o.set_device_map(ctx.rank == 0 ? "worker1" : "worker0", {{0, 0}});
-  distrpc::init_rpc<Policy>(wname(ctx.rank), ctx.rank, ctx.world, o);
-  auto agent = std::dynamic_pointer_cast<distrpc::Agent<Policy>>(distrpc::detail::current_agent());
-  REQUIRE(agent);
-  CHECK(agent->context().reaches(1 - ctx.rank));
+  const auto agent = init_direct<Policy>(ctx, "nccl-policy");
   const bool split = std::getenv("DISTRPC_TEST_SPLIT_GPUS") != nullptr;
   if (ctx.rank == 0) {
     const c10::Device gpu(c10::kCUDA, 0);

@@ -131,23 +131,54 @@ inline bool address_has_gpus(const std::string& address) {
   return (end == std::string::npos ? address.size() : end) > at + 5;
 }
 
+// How a wait on a non-blocking communicator ended before NCCL settled.
+enum class WaitEnd { settled, gave_up, timed_out };
+
+// While `r` is ncclInProgress: polls `comm` (ncclCommGetAsyncError), yielding between the first
+// `spins` looks and sleeping `nap` between later ones, until NCCL settles (the result returned,
+// `end` settled), `give_up()` says to stop or `until` passes (ncclInProgress returned, `end`
+// says which).
+template <class GiveUp>
+ncclResult_t poll_nccl(ncclComm_t comm, ncclResult_t r, std::chrono::steady_clock::time_point until,
+                       const GiveUp& give_up, int spins, std::chrono::microseconds nap,
+                       WaitEnd& end) {
+  end = WaitEnd::settled;
+  for (int n = 0; r == ncclInProgress; n = n < spins ? n + 1 : n) {
+    if (give_up()) {
+      end = WaitEnd::gave_up;
+      return r;
+    }
+    if (std::chrono::steady_clock::now() >= until) {
+      end = WaitEnd::timed_out;
+      return r;
+    }
+    if (n < spins) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+    }
+    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) r = ncclInternalError;
+  }
+  return r;
+}
+
 // A communicator of two ranks, non-blocking (so that it can be aborted from any thread), made
-// with `device` current; polls until it is up, `give_up()` says to stop, or `until`.
+// with `device` current; polls every millisecond until it is up, `give_up()` says to stop, or
+// `until`.
 template <class GiveUp>
 ncclComm_t make_p2p_comm(const ncclUniqueId& id, int rank,
                          std::chrono::steady_clock::time_point until, const GiveUp& give_up) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
+  WaitEnd end = WaitEnd::settled;
   ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, rank, &config);
-  while (r == ncclInProgress) {
-    if (give_up() || std::chrono::steady_clock::now() >= until) {
-      (void)ncclCommAbort(comm);
-      throw DistNetworkError(give_up() ? "nccl: stopped while a communicator was being made"
-                                       : "nccl: the peer did not join the communicator in time");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) r = ncclInternalError;
+  r = poll_nccl(comm, r, until, give_up, 0, std::chrono::milliseconds(1), end);
+  if (end != WaitEnd::settled) {
+    (void)ncclCommAbort(comm);
+    throw DistNetworkError(end == WaitEnd::gave_up
+                               ? "nccl: stopped while a communicator was being made"
+                               : "nccl: the peer did not join the communicator in time");
   }
   if (r != ncclSuccess) {
     if (comm != nullptr) (void)ncclCommAbort(comm);
@@ -163,17 +194,13 @@ ncclComm_t make_p2p_comm(const ncclUniqueId& id, int rank,
 template <class GiveUp>
 void settle(ncclComm_t comm, ncclResult_t r, const char* what,
             std::chrono::steady_clock::time_point until, const GiveUp& give_up) {
-  for (int n = 0; r == ncclInProgress; n = n < 1000 ? n + 1 : n) {
-    if (give_up()) throw DistNetworkError(std::string("nccl: gave up waiting for ") + what);
-    if (std::chrono::steady_clock::now() >= until) {
-      throw DistNetworkError(std::string("nccl: ") + what + " was not queued in time");
-    }
-    if (n < 1000) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) r = ncclInternalError;
+  WaitEnd end = WaitEnd::settled;
+  r = poll_nccl(comm, r, until, give_up, 1000, std::chrono::microseconds(100), end);
+  if (end == WaitEnd::gave_up) {
+    throw DistNetworkError(std::string("nccl: gave up waiting for ") + what);
+  }
+  if (end == WaitEnd::timed_out) {
+    throw DistNetworkError(std::string("nccl: ") + what + " was not queued in time");
   }
   nccl_p2p_check(r, what);
 }
