@@ -81,6 +81,22 @@ TEST_CASE(
   CHECK_MESSAGE(r.ok, r.report());
 }
 
+TEST_CASE("harness: a rank outside the world in rank_env or may_die is refused, naming it") {
+  RunOptions o;
+  o.world = 2;
+  o.rank_env[2] = {"DISTRPC_HARNESS_PROBE=nobody's"};
+  CHECK_THROWS_WITH_AS(run_ranks("harness target: the case's environment", o),
+                       "multiprocess harness: RunOptions::rank_env names rank 2, outside a world "
+                       "of 2",
+                       std::invalid_argument);
+  o.rank_env.clear();
+  o.may_die = {-1};
+  CHECK_THROWS_WITH_AS(run_ranks("harness target: the case's environment", o),
+                       "multiprocess harness: RunOptions::may_die names rank -1, outside a world "
+                       "of 2",
+                       std::invalid_argument);
+}
+
 TEST_CASE("harness: a failing rank fails the run and its output is shown") {
   RunOptions o;
   o.world = 2;

@@ -1015,6 +1015,20 @@ TEST_CASE("TCPStore: destroying the server wakes blocked clients with an error, 
   CHECK(since(t1) < 1s);
 }
 
+// A worker's exit barrier adds to a store whose host may have died: the check that explains a
+// closed add (is the key not a counter?) must not retry the refused connection for its 2 s grace.
+TEST_CASE("TCPStore: an add after the server died fails at once, naming the loss") {
+  auto master = std::make_unique<ds::TCPStore>("127.0.0.1", 0, -1, true, 30s);
+  ds::TCPStore client("127.0.0.1", master->port(), -1, false, 30s);
+  CHECK(client.add("exit", 1) == 1);  // a pooled connection, as a running worker has
+  master.reset();
+  const auto t0 = Clock::now();
+  const auto text = thrown_text<distrpc::DistNetworkError>([&] { client.add("exit", 1); });
+  CHECK(since(t0) < 1s);
+  CHECK(contains(text, "lost"));
+  CHECK(contains(text, "exit"));
+}
+
 // ---- FileStore ---------------------------------------------------------------------------------
 
 TEST_CASE("FileStore: a path that cannot be opened names the path and the reason") {

@@ -170,6 +170,17 @@ bool outcome_ok(const RankOutcome& o, const RunOptions& opts) {
 
 RunResult run_impl(const std::string& case_name, const RunOptions& opts, bool is_target) {
   if (opts.world < 1) throw std::invalid_argument("multiprocess harness: world must be >= 1");
+  // A rank outside the world in rank_env or may_die is a mistake in the test: silently ignored,
+  // the test would check less than it says.
+  const auto check_rank = [&](int r, const char* field) {
+    if (r < 0 || r >= opts.world) {
+      throw std::invalid_argument("multiprocess harness: RunOptions::" + std::string(field) +
+                                  " names rank " + std::to_string(r) + ", outside a world of " +
+                                  std::to_string(opts.world));
+    }
+  };
+  for (const auto& [r, vars] : opts.rank_env) check_rank(r, "rank_env");
+  for (int r : opts.may_die) check_rank(r, "may_die");
   RunResult result;
   const std::string dir = make_run_dir();
   const auto start = Clock::now();

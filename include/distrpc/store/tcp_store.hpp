@@ -366,6 +366,13 @@ class TCPStore : public Store {
     return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout, secret_,
                                                 tls_.get());
   }
+  // A side connection after a failed operation: the server was there a moment ago, so a refusal
+  // means it is gone (e.g. the process hosting it died) and fails at once instead of being
+  // retried for the whole grace (a survivor's shutdown would wait that long for nothing).
+  std::unique_ptr<detail::Connection> connect_again() const {
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, detail::kClientGrace,
+                                                secret_, tls_.get(), std::chrono::milliseconds(0));
+  }
 
   void release(std::unique_ptr<detail::Connection> c) {
     if (c->broken()) return;
@@ -406,7 +413,7 @@ class TCPStore : public Store {
   std::vector<std::string> missing(const std::vector<std::string>& keys) {
     if (keys.size() < 2) return keys;
     try {
-      const auto conn = connect(detail::kClientGrace);
+      const auto conn = connect_again();
       auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a check after a timeout"); };
@@ -428,7 +435,7 @@ class TCPStore : public Store {
   void explain_refused_add(const std::string& key, std::int64_t delta) {
     Bytes current;
     try {
-      const auto conn = connect(detail::kClientGrace);
+      const auto conn = connect_again();
       auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a read after a refused add"); };

@@ -64,22 +64,26 @@ class Connection {
   // With `tls` (net::tls::make_context), a TLS handshake comes first, in which each side checks
   // the other's certificate against the CA; everything after it (authentication included) runs
   // inside it.
+  // `refused_retry` (net/dial.hpp): by default a refusal is retried like any failure, since the
+  // server may start later; a side connection to a server this object was just talking to passes
+  // 0, as a refusal then means the server is gone and retrying would only delay the error.
   Connection(const std::string& host, int port, std::chrono::milliseconds timeout,
-             const std::optional<std::string>& secret, SSL_CTX* tls = nullptr)
+             const std::optional<std::string>& secret, SSL_CTX* tls = nullptr,
+             std::chrono::milliseconds refused_retry = std::chrono::milliseconds::max())
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
-    // The server may start later: a refusal is retried like any failure until the deadline (none
-    // with kNoTimeout), and nothing stops the loop early (a store has no shutdown flag).
+    // Retried until the deadline (none with kNoTimeout); nothing stops the loop early (a store
+    // has no shutdown flag).
     static const std::atomic<bool> kNeverStopped{false};
     const net::DialTiming timing{.start = deadline.at() - timeout,
                                  .connect_timeout = timeout,
-                                 .refused_retry = std::chrono::milliseconds::max(),
+                                 .refused_retry = refused_retry,
                                  .first_backoff = std::chrono::milliseconds(5),
                                  .max_backoff = std::chrono::milliseconds(200),
                                  .unbounded = deadline.infinite()};
     fd_ = net::dial_with_backoff(
         timing, kNeverStopped,
-        [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure.text); },
+        [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure); },
         [&](const net::DialGiveUp& end) {
           return DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
                                   std::to_string(timeout.count()) +
@@ -238,9 +242,11 @@ class Connection {
     }
   }
 
-  // One attempt per resolved address; nullopt with `last_error` set when none answers.
+  // One attempt per resolved address; nullopt with `failure` set when none answers (its text, and
+  // the errno of the last address's connect, 0 when that failed before connecting).
   static std::optional<net::Fd> try_connect(const std::string& host, int port,
-                                            const Deadline& deadline, std::string& last_error) {
+                                            const Deadline& deadline, net::DialFailure& failure) {
+    std::string& last_error = failure.text;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -257,6 +263,7 @@ class Connection {
       net::Fd s(
           ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
       if (!s) {
+        failure.err = 0;
         last_error = net::errno_text(errno);
         continue;
       }
@@ -280,6 +287,8 @@ class Connection {
         }
       }
       if (err != 0) {
+        // The last address's errno: a refusal on every address reads as ECONNREFUSED (dial.hpp).
+        failure.err = err;
         last_error = net::errno_text(err);
         continue;  // `s` closes
       }

@@ -336,65 +336,30 @@ struct DeviceDirect {
       // Transfers, in one order.
       std::unique_lock<std::mutex> in_order;
       if constexpr (kOrdered) in_order = std::unique_lock<std::mutex>(order_of(peer));
-      detail::TransferHeader h;
-      h.kind = m.type;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        h.loan = ++next_loan_;
-      }
-      Loan loan;
-      std::uint64_t staged = 0;
-      // Once something is exported, any way out without the Transfer sent tells the channel
-      // (see `unsent` at the top): the receiver will never hear of those buffers.
-      const auto not_sent = [&](const std::vector<std::shared_ptr<void>>& keeps) {
-        if constexpr (requires(std::shared_ptr<void> k) { channel_.unsent(k); }) {
-          for (const auto& k : keeps) channel_.unsent(k);
-        }
-      };
-      try {
-        for (const auto i : on_device) {
-          at::Tensor& b = m.buffers[i];
-          ChannelExport e;
-          try {
-            e = channel_.export_buffer(peer, b);
-          } catch (const std::exception&) {
-            // Memory the channel cannot share with that peer (a GPU it does not see, memory
-            // not from a plain device allocation): this buffer goes the way every policy sends
-            // it.
-            b = b.cpu();
-            ++staged;
-            continue;
-          }
-          loan.keep.push_back(std::move(e.keep));
-          h.entries.push_back({i, b.numel(), std::move(e.descriptor)});
-          loan.buffers.push_back(std::move(b));
-          b = at::empty({0}, at::kByte);
-        }
-        if (!h.entries.empty()) m.buffers.push_back(detail::encode_transfer_header(h));
-      } catch (...) {
-        not_sent(loan.keep);
-        throw;
-      }
-      if (h.entries.empty()) {
-        count(&DeviceDirectStats::staged, staged);
+      Lent lent = lend(peer, m, on_device);
+      if (lent.header.entries.empty()) {
+        count(&DeviceDirectStats::staged, lent.staged);
         inner_->send(peer, std::move(m));
         return;
       }
+      // From here, any way out without the Transfer sent tells the channel (see `unsent` at the
+      // top): the receiver will never hear of those buffers.
       std::vector<std::shared_ptr<void>> keeps;
-      if constexpr (requires(std::shared_ptr<void> k) { channel_.unsent(k); }) keeps = loan.keep;
+      if constexpr (kTellsUnsent) keeps = lent.loan.keep;
+      const std::uint64_t id = lent.header.loan;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        loans_[peer].emplace(h.loan, std::move(loan));
-        stats_.exported += h.entries.size();
-        stats_.staged += staged;
+        loans_[peer].emplace(id, std::move(lent.loan));
+        stats_.exported += lent.header.entries.size();
+        stats_.staged += lent.staged;
         ++stats_.lent;
       }
       m.type = detail::kTransfer;
       try {
         inner_->send(peer, std::move(m));
       } catch (...) {
-        not_sent(keeps);
-        return_loan(peer, h.loan, /*released=*/false);
+        tell_unsent(keeps);
+        return_loan(peer, id, /*released=*/false);
         throw;
       }
     }
@@ -529,6 +494,64 @@ struct DeviceDirect {
     void count(std::uint64_t DeviceDirectStats::*field, std::uint64_t n) {
       std::lock_guard<std::mutex> lk(mu_);
       stats_.*field += n;
+    }
+
+    static constexpr bool kTellsUnsent = requires(Channel & c, std::shared_ptr<void> k) {
+      c.unsent(k);
+    };
+    // The channel hears of exported buffers whose Transfer will never be sent (see `unsent` at
+    // the top).
+    void tell_unsent(const std::vector<std::shared_ptr<void>>& keeps) {
+      if constexpr (kTellsUnsent) {
+        for (const auto& k : keeps) channel_.unsent(k);
+      }
+    }
+
+    // What lend() made of a message: the Transfer's header (no entries when nothing could be
+    // exported), the loan that keeps the exported buffers, and how many buffers were staged.
+    struct Lent {
+      detail::TransferHeader header;
+      Loan loan;
+      std::uint64_t staged = 0;
+    };
+    // Exports `m`'s device buffers `on_device` to `peer`: each exported one moves into the loan
+    // (an empty placeholder stays in `m`) and gets an entry in the Transfer header, appended to
+    // `m`'s buffers when it has any; one the channel cannot share with that peer is staged in
+    // place. If anything throws, what was already exported is handed to tell_unsent().
+    Lent lend(int peer, wire::Message& m, const std::vector<std::uint32_t>& on_device) {
+      Lent out;
+      out.header.kind = m.type;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        out.header.loan = ++next_loan_;
+      }
+      try {
+        for (const auto i : on_device) {
+          at::Tensor& b = m.buffers[i];
+          ChannelExport e;
+          try {
+            e = channel_.export_buffer(peer, b);
+          } catch (const std::exception&) {
+            // Memory the channel cannot share with that peer (a GPU it does not see, memory
+            // not from a plain device allocation): this buffer goes the way every policy sends
+            // it.
+            b = b.cpu();
+            ++out.staged;
+            continue;
+          }
+          out.loan.keep.push_back(std::move(e.keep));
+          out.header.entries.push_back({i, b.numel(), std::move(e.descriptor)});
+          out.loan.buffers.push_back(std::move(b));
+          b = at::empty({0}, at::kByte);
+        }
+        if (!out.header.entries.empty()) {
+          m.buffers.push_back(detail::encode_transfer_header(out.header));
+        }
+      } catch (...) {
+        tell_unsent(out.loan.keep);
+        throw;
+      }
+      return out;
     }
 
     // On T's reading thread: never imports here, only queues (see the top of this file).
