@@ -1029,6 +1029,24 @@ TEST_CASE("TCPStore: an add after the server died fails at once, naming the loss
   CHECK(contains(text, "exit"));
 }
 
+// A connection dropped by a timed-out wait leaves the pool empty: the next operation opens a new
+// one. Once the server is gone, that refused connection is a lost server, not a server that has
+// not started yet: it fails at once (not after the 30 s store timeout), and so does what follows.
+TEST_CASE("TCPStore: once the server was reached, a refused new connection fails at once") {
+  auto master = std::make_unique<ds::TCPStore>("127.0.0.1", 0, -1, true, 30s);
+  ds::TCPStore client("127.0.0.1", master->port(), -1, false, 300ms);
+  CHECK_THROWS_AS(client.get("never set"), ds::StoreTimeoutError);  // drops its connection
+  client.set_timeout(30s);
+  master.reset();
+  const auto t0 = Clock::now();
+  const auto text = thrown_text<distrpc::DistNetworkError>([&] { client.set("k", "v"); });
+  CHECK(since(t0) < 5s);
+  CHECK(contains(text, "refused a new connection: nothing listens there any more"));
+  const auto t1 = Clock::now();
+  CHECK(thrown_text<distrpc::DistNetworkError>([&] { client.add("n", 1); }) == text);
+  CHECK(since(t1) < 1s);
+}
+
 // ---- FileStore ---------------------------------------------------------------------------------
 
 TEST_CASE("FileStore: a path that cannot be opened names the path and the reason") {

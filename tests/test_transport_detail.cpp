@@ -263,9 +263,16 @@ TEST_CASE(
   CHECK(PeerLiveness::ahead_of("", "h:2").empty());  // not registered yet: the usual rule
   CHECK(PeerLiveness::ahead_of("h:1", "").empty());  // the dialler did not say
   PeerLiveness p;
-  const auto g = p.generation();
   // Adopted while the peer is registered at h:1, from a dialler listening at h:2.
-  const std::string ahead = PeerLiveness::ahead_of("h:1", "h:2");
+  struct {
+    std::uint64_t generation = 99;
+    std::string ahead;
+  } adopted;
+  p.stamp_adopted(adopted, "h:1", "h:2");
+  const auto g = adopted.generation;
+  const std::string ahead = adopted.ahead;
+  CHECK(g == p.generation());
+  CHECK(ahead == "h:2");
   CHECK_FALSE(p.current(g, ahead, "h:1"));  // nobody's until the move
   CHECK(p.current(g));                      // an ordinary connection of that time is current
   // add_peer() at another address first (say, a refused joiner's), then at h:2.

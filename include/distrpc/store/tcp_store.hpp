@@ -357,21 +357,22 @@ class TCPStore : public Store {
         return c;
       }
     }
-    return connect(timeout());
+    return reconnect(timeout());
   }
 
-  // A new connection to the server, authenticated and under TLS as configured (every connection
-  // of this object, the side ones of missing() and explain_refused_add() included).
+  // A new connection to the server, authenticated and under TLS as configured: the constructor's
+  // first one, which waits for a server that may start later.
   std::unique_ptr<detail::Connection> connect(std::chrono::milliseconds timeout) const {
     return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout, secret_,
                                                 tls_.get());
   }
-  // A side connection after a failed operation: the server was there a moment ago, so a refusal
-  // means it is gone (e.g. the process hosting it died) and fails at once instead of being
-  // retried for the whole grace (a survivor's shutdown would wait that long for nothing).
-  std::unique_ptr<detail::Connection> connect_again() const {
-    return std::make_unique<detail::Connection>(opts_.host, opts_.port, detail::kClientGrace,
-                                                secret_, tls_.get(), std::chrono::milliseconds(0));
+  // Every later one (another for the pool, the side ones of missing() and explain_refused_add()):
+  // the constructor reached the server, so a refusal now means it is gone (the process hosting it
+  // exited or crashed) and fails at once with detail::ConnectionLost, instead of being retried
+  // for the whole timeout (a survivor's shutdown would wait that long for nothing).
+  std::unique_ptr<detail::Connection> reconnect(std::chrono::milliseconds timeout) const {
+    return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout, secret_,
+                                                tls_.get(), std::chrono::milliseconds(0));
   }
 
   void release(std::unique_ptr<detail::Connection> c) {
@@ -392,8 +393,9 @@ class TCPStore : public Store {
       return std::string(what) + " " + detail::quote_keys(keys()) + " on " + name_ + " (timeout " +
              std::to_string(limit.count()) + " ms)";
     };
-    auto conn = acquire();
+    std::unique_ptr<detail::Connection> conn;
     try {
+      conn = acquire();  // a refused reconnect() is a lost server too
       auto result = body(*conn, deadline, describe);
       release(std::move(conn));
       return result;
@@ -413,7 +415,7 @@ class TCPStore : public Store {
   std::vector<std::string> missing(const std::vector<std::string>& keys) {
     if (keys.size() < 2) return keys;
     try {
-      const auto conn = connect_again();
+      const auto conn = reconnect(detail::kClientGrace);
       auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a check after a timeout"); };
@@ -435,7 +437,7 @@ class TCPStore : public Store {
   void explain_refused_add(const std::string& key, std::int64_t delta) {
     Bytes current;
     try {
-      const auto conn = connect_again();
+      const auto conn = reconnect(detail::kClientGrace);
       auto& c = *conn;
       const detail::Deadline d(detail::kClientGrace);
       auto what = [] { return std::string("a read after a refused add"); };

@@ -65,8 +65,8 @@ class Connection {
   // the other's certificate against the CA; everything after it (authentication included) runs
   // inside it.
   // `refused_retry` (net/dial.hpp): by default a refusal is retried like any failure, since the
-  // server may start later; a side connection to a server this object was just talking to passes
-  // 0, as a refusal then means the server is gone and retrying would only delay the error.
+  // server may start later; a connection to a server the caller already reached passes 0, as a
+  // refusal then means the server is gone (ConnectionLost at once: retrying would only delay it).
   Connection(const std::string& host, int port, std::chrono::milliseconds timeout,
              const std::optional<std::string>& secret, SSL_CTX* tls = nullptr,
              std::chrono::milliseconds refused_retry = std::chrono::milliseconds::max())
@@ -85,6 +85,11 @@ class Connection {
         timing, kNeverStopped,
         [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure); },
         [&](const net::DialGiveUp& end) {
+          if (end.end == net::DialEnd::Refused) {
+            throw ConnectionLost("TCPStore: the server at " + where_ +
+                                 " refused a new connection: nothing listens there any more (the "
+                                 "process hosting the store exited or crashed)");
+          }
           return DistNetworkError("TCPStore: could not connect to " + where_ + " within " +
                                   std::to_string(timeout.count()) +
                                   " ms (last error: " + end.last.text + ")");
@@ -242,8 +247,9 @@ class Connection {
     }
   }
 
-  // One attempt per resolved address; nullopt with `failure` set when none answers (its text, and
-  // the errno of the last address's connect, 0 when that failed before connecting).
+  // One attempt per resolved address; nullopt with `failure` set when none answers: the last
+  // error's text, and ECONNREFUSED as its errno only when every address refused (one that timed
+  // out may be a live server; dial.hpp gives up early on a refusal only).
   static std::optional<net::Fd> try_connect(const std::string& host, int port,
                                             const Deadline& deadline, net::DialFailure& failure) {
     std::string& last_error = failure.text;
@@ -259,11 +265,12 @@ class Connection {
     }
     std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
     net::Fd fd;
+    bool all_refused = true;
     for (addrinfo* a = res; a && !fd; a = a->ai_next) {
       net::Fd s(
           ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
       if (!s) {
-        failure.err = 0;
+        all_refused = false;
         last_error = net::errno_text(errno);
         continue;
       }
@@ -287,14 +294,16 @@ class Connection {
         }
       }
       if (err != 0) {
-        // The last address's errno: a refusal on every address reads as ECONNREFUSED (dial.hpp).
-        failure.err = err;
+        all_refused = all_refused && err == ECONNREFUSED;
         last_error = net::errno_text(err);
         continue;  // `s` closes
       }
       fd = std::move(s);
     }
-    if (!fd) return std::nullopt;
+    if (!fd) {
+      failure.err = all_refused ? ECONNREFUSED : 0;
+      return std::nullopt;
+    }
     // Blocking from here on; the 100 ms socket timeouts only let a blocked call look at its
     // deadline.
     const int flags = ::fcntl(fd.get(), F_GETFL);

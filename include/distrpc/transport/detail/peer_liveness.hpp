@@ -40,6 +40,15 @@ class PeerLiveness {
     return !registered.empty() && !claimed.empty() && claimed != registered ? claimed
                                                                             : std::string();
   }
+  // Stamps an incoming connection `c` as it is adopted from a dialler that listens at `claimed`,
+  // the peer being registered at `registered`: the generation it belongs to and its `ahead`
+  // address, which current() later takes (c.generation, c.ahead).
+  template <class Connection>
+  void stamp_adopted(Connection& c, const std::string& registered,
+                     const std::string& claimed) const {
+    c.generation = generation_;
+    c.ahead = ahead_of(registered, claimed);
+  }
   // The first reason a connection of this incarnation broke; empty while none did.
   const std::string& lost_reason() const { return lost_reason_; }
   bool lost() const { return !lost_reason_.empty(); }

@@ -342,8 +342,8 @@ struct DeviceDirect {
         inner_->send(peer, std::move(m));
         return;
       }
-      // From here, any way out without the Transfer sent tells the channel (see `unsent` at the
-      // top): the receiver will never hear of those buffers.
+      // If T cannot send the Transfer, the channel hears of the exported buffers (see `unsent` at
+      // the top): the receiver will never hear of them.
       std::vector<std::shared_ptr<void>> keeps;
       if constexpr (kTellsUnsent) keeps = lent.loan.keep;
       const std::uint64_t id = lent.header.loan;

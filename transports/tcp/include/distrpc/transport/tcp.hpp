@@ -868,8 +868,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
     {
       std::lock_guard<std::mutex> lk(p->mu);
       if (p->name.empty()) p->name = c->peer_name;
-      c->generation = p->liveness.generation();
-      c->ahead = transport::detail::PeerLiveness::ahead_of(p->address, h.hello.listen_address);
+      p->liveness.stamp_adopted(*c, p->address, h.hello.listen_address);
     }
     start_reading(c);
   }

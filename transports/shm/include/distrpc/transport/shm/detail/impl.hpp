@@ -300,7 +300,7 @@ class Impl : public std::enable_shared_from_this<Impl> {
   void deliver(InConn& c, wire::Message&& m);
   void drop(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
   void lose(std::shared_ptr<InConn> c, std::uint64_t token, const std::string& reason);
-  // `ahead`: an incoming connection's (PeerLiveness::ahead_of), empty for ours.
+  // `ahead`: an incoming connection's (PeerLiveness::stamp_adopted), empty for ours.
   void report_lost(int peer, const OutConn* out, std::uint64_t generation,
                    const std::string& reason, const std::string& ahead = {});
 

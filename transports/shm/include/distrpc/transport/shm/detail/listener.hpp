@@ -219,8 +219,7 @@ inline void Impl::adopt_incoming(PendingHandshake& h, Packet& pkt) {
   {
     std::lock_guard<std::mutex> lk(p->mu);
     if (p->name.empty()) p->name = c->peer_name;
-    c->generation = p->liveness.generation();
-    c->ahead = transport::detail::PeerLiveness::ahead_of(p->address, h.hello.listen_address);
+    p->liveness.stamp_adopted(*c, p->address, h.hello.listen_address);
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
