@@ -121,6 +121,28 @@ TEST_CASE("net: with a short refused_retry a refused dial fails fast") {
   CHECK(Clock::now() - timing.start < 1s);
 }
 
+TEST_CASE("net: a host's addresses read as refused only when nothing there may be a live server") {
+  using distrpc::net::AddressFailures;
+  const auto fold = [](std::initializer_list<int> errs) {
+    AddressFailures f;
+    for (int e : errs) f.add(e);
+    return f.err();
+  };
+  CHECK(fold({ECONNREFUSED}) == ECONNREFUSED);
+  CHECK(fold({ECONNREFUSED, ECONNREFUSED}) == ECONNREFUSED);  // 127.0.0.1 and ::1
+  // ::1 unusable on a machine without IPv6: it says nothing about the server.
+  CHECK(fold({EADDRNOTAVAIL, ECONNREFUSED}) == ECONNREFUSED);
+  CHECK(fold({ECONNREFUSED, EAFNOSUPPORT}) == ECONNREFUSED);
+  CHECK(fold({ENETUNREACH, ECONNREFUSED}) == ECONNREFUSED);
+  // One address timing out or unreachable may be the live server: not a refusal.
+  CHECK(fold({ETIMEDOUT, ECONNREFUSED}) == 0);
+  CHECK(fold({ECONNREFUSED, EHOSTUNREACH}) == 0);
+  // Nothing refused at all.
+  CHECK(fold({}) == 0);
+  CHECK(fold({EADDRNOTAVAIL}) == 0);
+  CHECK(fold({ETIMEDOUT}) == 0);
+}
+
 TEST_CASE("net: the dial loop returns what an attempt made, and stops on shutdown") {
   std::atomic<bool> stopping{false};
   int calls = 0;

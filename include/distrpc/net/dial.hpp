@@ -29,6 +29,27 @@ struct DialFailure {
   std::string text;
 };
 
+// Folds the failed connects of one attempt's addresses (a host name may resolve to several, e.g.
+// 127.0.0.1 and ::1) into the errno the loop judges: ECONNREFUSED only when some address refused
+// and none failed in a way a live server could explain (a timeout, an unreachable host: it may be
+// there, slow or behind a busy link). An address this machine cannot use at all (no IPv6:
+// EAFNOSUPPORT, EADDRNOTAVAIL, ENETUNREACH) says nothing about the server and does not count.
+class AddressFailures {
+ public:
+  void add(int err) {
+    if (err == ECONNREFUSED) {
+      refused_ = true;
+    } else if (err != EAFNOSUPPORT && err != EADDRNOTAVAIL && err != ENETUNREACH) {
+      maybe_live_ = true;
+    }
+  }
+  int err() const { return refused_ && !maybe_live_ ? ECONNREFUSED : 0; }
+
+ private:
+  bool refused_ = false;
+  bool maybe_live_ = false;
+};
+
 inline constexpr std::chrono::milliseconds kDialFirstBackoff{10};
 inline constexpr std::chrono::milliseconds kDialMaxBackoff{500};
 

@@ -116,7 +116,9 @@ class Connection {
       greeted_ = true;
     } catch (const ConnectionLost& e) {
       fd_.reset();
-      if (secret || ssl_) throw;
+      // A later connection (a finite refused_retry: the caller reached this server before, with
+      // this configuration) lost now means a server going away, not a mismatch.
+      if (secret || ssl_ || refused_retry != std::chrono::milliseconds::max()) throw;
       // A server with a secret closes the connection of a client without one at its first byte,
       // and one with TLS the connection of a client without TLS.
       throw ConnectionLost(std::string(e.what()) +
@@ -248,8 +250,8 @@ class Connection {
   }
 
   // One attempt per resolved address; nullopt with `failure` set when none answers: the last
-  // error's text, and ECONNREFUSED as its errno only when every address refused (one that timed
-  // out may be a live server; dial.hpp gives up early on a refusal only).
+  // error's text, and as its errno ECONNREFUSED only when the addresses say nothing listens
+  // (net::AddressFailures; dial.hpp gives up early on a refusal only).
   static std::optional<net::Fd> try_connect(const std::string& host, int port,
                                             const Deadline& deadline, net::DialFailure& failure) {
     std::string& last_error = failure.text;
@@ -265,12 +267,11 @@ class Connection {
     }
     std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
     net::Fd fd;
-    bool all_refused = true;
+    net::AddressFailures failures;  // a socket() that fails is this machine's, not the server's
     for (addrinfo* a = res; a && !fd; a = a->ai_next) {
       net::Fd s(
           ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
       if (!s) {
-        all_refused = false;
         last_error = net::errno_text(errno);
         continue;
       }
@@ -294,14 +295,14 @@ class Connection {
         }
       }
       if (err != 0) {
-        all_refused = all_refused && err == ECONNREFUSED;
+        failures.add(err);
         last_error = net::errno_text(err);
         continue;  // `s` closes
       }
       fd = std::move(s);
     }
     if (!fd) {
-      failure.err = all_refused ? ECONNREFUSED : 0;
+      failure.err = failures.err();
       return std::nullopt;
     }
     // Blocking from here on; the 100 ms socket timeouts only let a blocked call look at its
