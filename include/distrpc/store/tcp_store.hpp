@@ -372,7 +372,7 @@ class TCPStore : public Store {
   // for the whole timeout (a survivor's shutdown would wait that long for nothing).
   std::unique_ptr<detail::Connection> reconnect(std::chrono::milliseconds timeout) const {
     return std::make_unique<detail::Connection>(opts_.host, opts_.port, timeout, secret_,
-                                                tls_.get(), std::chrono::milliseconds(0));
+                                                tls_.get(), /*reached=*/true);
   }
 
   void release(std::unique_ptr<detail::Connection> c) {

@@ -64,23 +64,23 @@ class Connection {
   // With `tls` (net::tls::make_context), a TLS handshake comes first, in which each side checks
   // the other's certificate against the CA; everything after it (authentication included) runs
   // inside it.
-  // `refused_retry` (net/dial.hpp): by default a refusal is retried like any failure, since the
-  // server may start later; a connection to a server the caller already reached passes 0, as a
-  // refusal then means the server is gone (ConnectionLost at once: retrying would only delay it).
+  // `reached`: the caller reached this server before, with this configuration. Without it a
+  // refusal is retried like any failure, since the server may start later; with it a refusal
+  // means the server is gone (ConnectionLost at once: retrying would only delay it).
   Connection(const std::string& host, int port, std::chrono::milliseconds timeout,
-             const std::optional<std::string>& secret, SSL_CTX* tls = nullptr,
-             std::chrono::milliseconds refused_retry = std::chrono::milliseconds::max())
+             const std::optional<std::string>& secret, SSL_CTX* tls = nullptr, bool reached = false)
       : where_(host_port(host, port)) {
     const Deadline deadline(timeout);
     // Retried until the deadline (none with kNoTimeout); nothing stops the loop early (a store
     // has no shutdown flag).
     static const std::atomic<bool> kNeverStopped{false};
-    const net::DialTiming timing{.start = deadline.at() - timeout,
-                                 .connect_timeout = timeout,
-                                 .refused_retry = refused_retry,
-                                 .first_backoff = std::chrono::milliseconds(5),
-                                 .max_backoff = std::chrono::milliseconds(200),
-                                 .unbounded = deadline.infinite()};
+    const net::DialTiming timing{
+        .start = deadline.at() - timeout,
+        .connect_timeout = timeout,
+        .refused_retry = reached ? std::chrono::milliseconds(0) : std::chrono::milliseconds::max(),
+        .first_backoff = std::chrono::milliseconds(5),
+        .max_backoff = std::chrono::milliseconds(200),
+        .unbounded = deadline.infinite()};
     fd_ = net::dial_with_backoff(
         timing, kNeverStopped,
         [&](net::DialFailure& failure) { return try_connect(host, port, deadline, failure); },
@@ -116,9 +116,9 @@ class Connection {
       greeted_ = true;
     } catch (const ConnectionLost& e) {
       fd_.reset();
-      // A later connection (a finite refused_retry: the caller reached this server before, with
-      // this configuration) lost now means a server going away, not a mismatch.
-      if (secret || ssl_ || refused_retry != std::chrono::milliseconds::max()) throw;
+      // A connection to a server reached before with this configuration, lost now, means a
+      // server going away, not a mismatch.
+      if (secret || ssl_ || reached) throw;
       // A server with a secret closes the connection of a client without one at its first byte,
       // and one with TLS the connection of a client without TLS.
       throw ConnectionLost(std::string(e.what()) +

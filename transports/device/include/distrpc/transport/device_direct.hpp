@@ -514,10 +514,11 @@ struct DeviceDirect {
       Loan loan;
       std::uint64_t staged = 0;
     };
-    // Exports `m`'s device buffers `on_device` to `peer`: each exported one moves into the loan
-    // (an empty placeholder stays in `m`) and gets an entry in the Transfer header, appended to
-    // `m`'s buffers when it has any; one the channel cannot share with that peer is staged in
-    // place. If anything throws, what was already exported is handed to tell_unsent().
+    // Exports `m`'s device buffers `on_device` to `peer`: each exported one moves into the loan,
+    // leaving a 0-byte tensor at its index in `m` (the receiver puts the imported one there), and
+    // gets an entry in the Transfer header, appended to `m`'s buffers when it has any; one the
+    // channel cannot share with that peer is staged in place. If anything throws, what was
+    // already exported is handed to tell_unsent().
     Lent lend(int peer, wire::Message& m, const std::vector<std::uint32_t>& on_device) {
       Lent out;
       out.header.kind = m.type;
